@@ -1,0 +1,142 @@
+"""Findings and the Report that collects them: frozen data, never exceptions."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from types import MappingProxyType
+from typing import Any
+
+
+class Severity(IntEnum):
+    INFO = 1
+    WARNING = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown severity {text!r}: expected error, warning or info") from None
+
+
+def _frozen(details: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(details or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem in one place. `path` is absolute; reporters make it relative for display."""
+
+    code: str
+    name: str
+    severity: Severity
+    path: str
+    message: str
+    dataset: str | None = None
+    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    fix: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.details, MappingProxyType):
+            object.__setattr__(self, "details", _frozen(self.details))
+
+    def __reduce__(self):
+        # MappingProxyType does not pickle; findings cross process boundaries.
+        return (
+            Finding,
+            (self.code, self.name, self.severity, self.path, self.message, self.dataset,
+             dict(self.details), self.fix),
+        )
+
+    @property
+    def sort_key(self) -> tuple:
+        return (self.dataset or "", self.code, self.path, self.message)
+
+    def to_dict(self, cwd: str | None = None) -> dict[str, Any]:
+        """The JSON contract of DESIGN.md §8."""
+        return {
+            "code": self.code,
+            "name": self.name,
+            "severity": str(self.severity),
+            "path": display_path(self.path, cwd),
+            "dataset": self.dataset,
+            "message": self.message,
+            "details": jsonable(self.details),
+            "fix": self.fix,
+        }
+
+
+def jsonable(value: Any) -> Any:
+    """Details hold tuples, paths and numbers; JSON wants lists and strings."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [jsonable(v) for v in items]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return printable(value) if isinstance(value, str) else value
+    return printable(str(value))
+
+
+def printable(text: str) -> str:
+    """File names need not be UTF-8: show undecodable bytes as \\xNN instead of failing."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def display_path(path: str, cwd: str | None = None) -> str:
+    """The path as the user would type it: relative to the working dir when under it."""
+    cwd = cwd or os.getcwd()
+    if path == cwd:
+        return "."
+    if path.startswith(cwd.rstrip(os.sep) + os.sep):
+        return printable(os.path.relpath(path, cwd))
+    return printable(path)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one scan found. Findings are sorted by dataset, code and path."""
+
+    targets: tuple[str, ...]
+    findings: tuple[Finding, ...]
+    files: int
+    bytes: int
+    datasets: tuple[str, ...] = ()
+    trainers: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, targets: Iterable[str], findings: Iterable[Finding], files: int, nbytes: int,
+              datasets: Iterable[str] = (), trainers: Iterable[str] = ()) -> Report:
+        ordered = tuple(sorted(findings, key=lambda f: f.sort_key))
+        return cls(tuple(targets), ordered, files, nbytes, tuple(datasets), tuple(trainers))
+
+    def count(self, severity: Severity) -> int:
+        return sum(1 for f in self.findings if f.severity == severity)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {str(s): self.count(s) for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        return sum(int(f.details.get("wasted_bytes", 0)) for f in self.findings)
+
+    def worst(self) -> Severity | None:
+        return max((f.severity for f in self.findings), default=None)
+
+    def fails(self, fail_on: str) -> bool:
+        """True when a finding is at or above `fail_on` (`never` never fails)."""
+        if fail_on == "never":
+            return False
+        threshold = Severity.parse(fail_on)
+        return any(f.severity >= threshold for f in self.findings)
+
+    def exit_code(self, fail_on: str = "error") -> int:
+        return 1 if self.fails(fail_on) else 0

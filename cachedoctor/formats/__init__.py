@@ -1,0 +1,180 @@
+"""Readers: one file in, one FileMeta out, metadata only and without importing torch.
+
+Formats are sniffed by their magic bytes; the file extension only breaks ties (a `.pt` of
+garbage is read as a broken torch file, a `.txt` of garbage as a foreign file). Every reader
+is a module with `read(src, path, deep) -> FileMeta` registered in READERS; zip-based readers
+also take the parsed central directory. No reader raises for bad input: what is broken comes
+back in `FileMeta.errors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+
+from cachedoctor.formats import (
+    gzipped,
+    numpy_npy,
+    numpy_npz,
+    safetensors_header,
+    torch_legacy,
+    torch_zip,
+)
+from cachedoctor.formats.meta import (
+    EMPTY,
+    IMAGE,
+    JSON,
+    NPY,
+    NPZ,
+    PICKLE,
+    SAFETENSORS,
+    TEXT,
+    TORCH_LEGACY,
+    TORCH_ZIP,
+    UNKNOWN,
+    ZEROED,
+    ZIP,
+    FileMeta,
+)
+from cachedoctor.formats.source import BytesSource, Source, open_source
+from cachedoctor.formats.zipdir import ZipError, read_directory
+
+UNREADABLE = "unreadable"  # the file could not be opened or read at all (permissions, I/O)
+GZIP = "gzip"
+
+READERS = {
+    TORCH_LEGACY: torch_legacy,
+    PICKLE: torch_legacy,
+    SAFETENSORS: safetensors_header,
+    NPY: numpy_npy,
+}
+ZIP_READERS = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
+
+# Extensions that promise a cache format: garbage under one of these names is a broken cache
+# file (CD101), garbage under any other name is a foreign file (CD107).
+EXTENSION_FORMATS = {
+    ".pt": TORCH_ZIP, ".pth": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
+    ".pkl": PICKLE, ".pickle": PICKLE,
+    ".safetensors": SAFETENSORS, ".npz": NPZ, ".npy": NPY,
+}
+IMAGE_MAGIC = (
+    b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*",
+)
+
+
+def extension_format(path: str) -> str | None:
+    return EXTENSION_FORMATS.get(os.path.splitext(path)[1].lower())
+
+
+def sniff(head: bytes, size: int) -> str:
+    """The format the first bytes announce (UNKNOWN when they announce none)."""
+    if size == 0:
+        return EMPTY
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return ZIP
+    if head.startswith(b"\x1f\x8b"):
+        return GZIP
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return PICKLE
+    if head.startswith(b"\x93NUMPY"):
+        return NPY
+    if len(head) >= 9 and head[8:9] == b"{":
+        return SAFETENSORS
+    if head.startswith(IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
+        return IMAGE
+    if not head.strip(b"\x00"):
+        return ZEROED
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        # a multi-byte character cut by the head window is still text
+        try:
+            text = head[:-3].decode("utf-8")
+        except UnicodeDecodeError:
+            return UNKNOWN
+    if "\x00" in text:
+        return UNKNOWN
+    return JSON if text.lstrip()[:1] in ("{", "[") else TEXT
+
+
+def read_path(path: str, *, deep: bool = False) -> FileMeta:
+    """Read one file's metadata; I/O failures come back as format UNREADABLE."""
+    try:
+        fd, src = open_source(path)
+    except OSError as exc:
+        return FileMeta(path, 0, UNREADABLE, errors=(describe_os_error(exc),))
+    try:
+        return read_source(src, path, deep=deep)
+    except OSError as exc:
+        return FileMeta(path, src.size, UNREADABLE, errors=(describe_os_error(exc),))
+    finally:
+        os.close(fd)
+
+
+def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False) -> FileMeta:
+    return read_source(BytesSource(data), path, deep=deep)
+
+
+def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
+    head = src.pread(0, 4096)
+    fmt = sniff(head, src.size)
+    if fmt == GZIP:
+        return _read_gzip(src, path, deep)
+    if fmt == ZIP:
+        return _read_zip(src, path, deep)
+    if fmt in READERS:
+        return READERS[fmt].read(src, path, deep)
+    if fmt in (EMPTY, IMAGE):
+        return FileMeta(path, src.size, fmt)
+    promised = extension_format(path)
+    if promised is None:
+        return FileMeta(path, src.size, fmt)
+    if fmt == ZEROED and src.size <= 64 * 1024 * 1024 and not src.pread(0, src.size).strip(b"\0"):
+        why = f"every one of its {src.size:,} bytes is zero: the data never reached the disk"
+    else:
+        why = f"no {promised} signature: it starts with {head[:8].hex(' ')}"
+    if promised in (PICKLE, TORCH_ZIP) and fmt not in (ZEROED,):
+        # A protocol-0/1 pickle has no magic bytes, and torch.load would still run it.
+        meta = torch_legacy.read(src, path, deep)
+        if meta.globals:
+            return meta
+    return FileMeta(path, src.size, promised, errors=(why,))
+
+
+def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
+    try:
+        directory = read_directory(src)
+    except ZipError as exc:
+        fmt = NPZ if extension_format(path) == NPZ else TORCH_ZIP
+        return FileMeta(path, src.size, fmt, errors=(str(exc),))
+    names = [e.name for e in directory.entries]
+    if names and all(n.endswith(".npy") for n in names):
+        return numpy_npz.read(src, path, deep, directory)
+    if any(n.endswith("/data.pkl") or n == "data.pkl" for n in names) or extension_format(path) in (
+        TORCH_ZIP,
+    ):
+        return torch_zip.read(src, path, deep, directory)
+    if extension_format(path) == NPZ:
+        return numpy_npz.read(src, path, deep, directory)
+    return FileMeta(path, src.size, ZIP)
+
+
+def _read_gzip(src: Source, path: str, deep: bool) -> FileMeta:
+    with gzipped.inflated(src) as (inner, error):
+        if inner is None:
+            promised = extension_format(path) or TORCH_ZIP
+            return FileMeta(path, src.size, promised, compression=GZIP, errors=(error,))
+        meta = read_source(inner, path, deep=deep)
+    return dataclasses.replace(meta, size=src.size, compression=GZIP)
+
+
+def describe_os_error(exc: OSError) -> str:
+    reasons = {
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.ELOOP: "symlink loop",
+        errno.ENOENT: "vanished while scanning",
+        errno.EIO: "I/O error from the device",
+    }
+    return f"cannot read: {reasons.get(exc.errno or 0, exc.strerror or str(exc))}"

@@ -1,0 +1,115 @@
+"""What a reader learns about one file: metadata, never tensor values (unless --deep asks).
+
+Readers fill these and decide nothing: severity and wording of findings belong to checks/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from math import prod
+from types import MappingProxyType
+
+# Formats a reader can report. `compression` says what wraps them (only "gzip" today).
+TORCH_ZIP = "torch-zip"
+TORCH_LEGACY = "torch-legacy"
+PICKLE = "pickle"  # a pickle stream that is no torch file
+SAFETENSORS = "safetensors"
+NPZ = "npz"
+NPY = "npy"
+EMPTY = "empty"
+ZEROED = "zeroed"  # same size as a file, but every byte is zero: a write that never reached disk
+ZIP = "zip"  # a zip archive of neither torch nor numpy
+IMAGE = "image"
+TEXT = "text"
+JSON = "json"
+UNKNOWN = "unknown"
+
+TENSOR_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, SAFETENSORS, NPZ, NPY})
+PICKLE_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, PICKLE})
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """One tensor as stored: enough to tell its size, its storage and where it will load."""
+
+    path: tuple[str | int, ...]  # where it sits in the saved object: (), ("latent",), (1, 0)
+    dtype: str  # torch's name without "torch.": float16, bfloat16, float8_e4m3fn, bool
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements
+    storage_offset: int  # in elements
+    storage_key: str  # zip "data/<key>" key, safetensors tensor name, npz member name
+    storage_bytes: int | None  # bytes stored for the storage this tensor views; None if unknown
+    itemsize: int  # bytes per element (1 for packed sub-byte dtypes)
+    location: str = "cpu"  # "cpu", "cuda:3", "mps", "meta"
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def extent(self) -> tuple[int, int]:
+        """Byte range [begin, end) of the storage this tensor can reach (exact when contiguous)."""
+        begin = self.storage_offset * self.itemsize
+        if self.numel == 0:
+            return begin, begin
+        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return begin, (last + 1) * self.itemsize
+
+    @property
+    def display_path(self) -> str:
+        return "".join(f"[{p!r}]" for p in self.path) or "<root>"
+
+
+@dataclass(frozen=True, slots=True)
+class FileMeta:
+    """Everything the readers know about one file."""
+
+    path: str
+    size: int
+    format: str
+    compression: str | None = None  # "gzip" when the bytes are gzip around `format`
+    root: str | None = None  # type of the saved object: tensor, dict, list, tuple, other
+    tensors: tuple[TensorMeta, ...] = ()
+    globals: tuple[str, ...] = ()  # every GLOBAL a pickle names, in order of first appearance
+    unsafe_globals: tuple[str, ...] = ()  # the ones torch.load(weights_only=True) would refuse
+    errors: tuple[str, ...] = ()  # why the file cannot load as its format; first is the headline
+    crc_errors: tuple[str, ...] = ()  # --deep: entries whose bytes do not match their CRC32
+    nonfinite: tuple[tuple[tuple[str | int, ...], int], ...] = ()  # --deep: (tensor path, count)
+    notes: tuple[str, ...] = ()  # facts that are no problem ("CRC32 not recorded")
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    deep: bool = False  # whether CRC and values were read
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metadata, MappingProxyType):
+            object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    def __reduce__(self):
+        # MappingProxyType does not pickle; metas cross process boundaries.
+        values = [getattr(self, f) for f in self.__dataclass_fields__]
+        values[list(self.__dataclass_fields__).index("metadata")] = dict(self.metadata)
+        return (FileMeta, tuple(values))
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def is_tensor_file(self) -> bool:
+        return self.format in TENSOR_FORMATS
+
+    def storages(self) -> Iterator[tuple[str, int | None, tuple[TensorMeta, ...]]]:
+        """Each distinct storage with its stored bytes and the tensors that view it."""
+        groups: dict[str, list[TensorMeta]] = {}
+        for t in self.tensors:
+            groups.setdefault(t.storage_key, []).append(t)
+        for key, views in groups.items():
+            yield key, views[0].storage_bytes, tuple(views)
+
+    @property
+    def locations(self) -> tuple[str, ...]:
+        return tuple(sorted({t.location for t in self.tensors}))

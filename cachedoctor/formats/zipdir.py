@@ -1,0 +1,195 @@
+"""A zip central-directory parser built on `struct`, for torch zip files and npz archives.
+
+It reads the end record, the zip64 records torch always writes, and every central-directory
+entry; it checks that each entry's local header is where the directory says and that its data
+ends before the directory starts. It never decompresses or reads entry data unless asked.
+Errors come back as ZipError with a sentence a user can act on.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from cachedoctor.formats.source import Source
+
+EOCD_SIG = b"PK\x05\x06"
+ZIP64_LOCATOR_SIG = b"PK\x06\x07"
+ZIP64_EOCD_SIG = b"PK\x06\x06"
+CD_SIG = b"PK\x01\x02"
+LOCAL_SIG = b"PK\x03\x04"
+EOCD = struct.Struct("<4sHHHHIIH")  # 22 bytes
+ZIP64_LOCATOR = struct.Struct("<4sIQI")  # 20 bytes
+ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")  # 56 bytes
+CD_ENTRY = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes
+LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
+MAX_ENTRIES = 1_000_000
+STORED, DEFLATED = 0, 8
+
+
+class ZipError(Exception):
+    """The archive cannot be read: the message says what is broken."""
+
+
+@dataclass(frozen=True, slots=True)
+class ZipEntry:
+    name: str
+    method: int
+    crc: int
+    compressed_size: int
+    size: int
+    header_offset: int
+    data_offset: int  # where the entry's bytes start (after its local header)
+
+
+@dataclass(frozen=True, slots=True)
+class ZipDirectory:
+    entries: tuple[ZipEntry, ...]
+    cd_offset: int
+    trailing_bytes: int  # bytes after the end record (torch ignores them)
+
+    def get(self, name: str) -> ZipEntry | None:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        return None
+
+    def by_name(self) -> dict[str, ZipEntry]:
+        return {e.name: e for e in self.entries}
+
+
+def _find_eocd(src: Source) -> tuple[int, bytes]:
+    tail_len = min(src.size, EOCD.size + 0xFFFF)
+    tail = src.pread(src.size - tail_len, tail_len)
+    at = tail.rfind(EOCD_SIG)
+    while at >= 0:
+        if len(tail) - at >= EOCD.size:
+            return src.size - tail_len + at, tail[at : at + EOCD.size]
+        at = tail.rfind(EOCD_SIG, 0, at)
+    raise ZipError(_truncation_message(src))
+
+
+def _truncation_message(src: Source) -> str:
+    """Say where the file ends: a half-written archive has its last local header in view."""
+    window = src.pread(max(0, src.size - 256 * 1024), 256 * 1024)
+    at = window.rfind(LOCAL_SIG)
+    where = ""
+    if at >= 0 and len(window) - at >= LOCAL.size:
+        nlen = LOCAL.unpack_from(window, at)[9]
+        name = window[at + LOCAL.size : at + LOCAL.size + nlen].decode("utf-8", "replace")
+        if name:
+            where = f" inside entry '{name}'"
+    return (
+        f"no zip central directory: the file ends at {src.size:,} bytes{where}"
+        " (truncated or half-written)"
+    )
+
+
+def read_directory(src: Source) -> ZipDirectory:
+    """Parse the central directory of the zip in `src`; raise ZipError if it is broken."""
+    if src.size < EOCD.size:
+        raise ZipError(_truncation_message(src))
+    eocd_at, raw = _find_eocd(src)
+    _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment_len = EOCD.unpack(raw)
+    trailing = max(0, src.size - (eocd_at + EOCD.size + comment_len))
+    if disk != 0 or cd_disk != 0 or n_disk != n_total:
+        raise ZipError("multi-disk zip archives are not supported")
+    # torch always writes zip64 records; when present they hold the real counts and offsets.
+    loc = src.pread(eocd_at - ZIP64_LOCATOR.size, ZIP64_LOCATOR.size) if eocd_at >= 20 else b""
+    if len(loc) == ZIP64_LOCATOR.size and loc[:4] == ZIP64_LOCATOR_SIG:
+        z64_at = ZIP64_LOCATOR.unpack(loc)[2]
+        rec = src.pread(z64_at, ZIP64_EOCD.size)
+        if len(rec) < ZIP64_EOCD.size or rec[:4] != ZIP64_EOCD_SIG:
+            raise ZipError(f"zip64 end record missing at offset {z64_at:,}")
+        _, _, _, _, _, _, _, n_total, cd_size, cd_offset = ZIP64_EOCD.unpack(rec)
+    if n_total > MAX_ENTRIES:
+        raise ZipError(f"central directory claims {n_total:,} entries")
+    if cd_offset + cd_size > src.size:
+        raise ZipError(
+            f"central directory at offset {cd_offset:,} (+{cd_size:,} bytes) runs past the end "
+            f"of the file at {src.size:,} bytes"
+        )
+    cd = src.pread(cd_offset, cd_size)
+    entries = []
+    pos = 0
+    for index in range(n_total):
+        if pos + CD_ENTRY.size > len(cd) or cd[pos : pos + 4] != CD_SIG:
+            raise ZipError(f"central directory entry {index} is damaged (bad signature)")
+        f = CD_ENTRY.unpack_from(cd, pos)
+        method, crc, csize, usize, nlen, xlen, clen, lho = f[4], f[7], f[8], f[9], f[10], f[11], f[12], f[16]
+        name_bytes = cd[pos + CD_ENTRY.size : pos + CD_ENTRY.size + nlen]
+        extra = cd[pos + CD_ENTRY.size + nlen : pos + CD_ENTRY.size + nlen + xlen]
+        usize, csize, lho = _zip64_sizes(extra, usize, csize, lho)
+        pos += CD_ENTRY.size + nlen + xlen + clen
+        name = name_bytes.decode("utf-8", "replace")
+        entries.append(_locate(src, name, method, crc, csize, usize, lho, cd_offset))
+    return ZipDirectory(tuple(entries), cd_offset, trailing)
+
+
+def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        body = extra[pos + 4 : pos + 4 + size]
+        if tag == 0x0001:
+            values = [v for (v,) in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
+            if usize == 0xFFFFFFFF and values:
+                usize = values.pop(0)
+            if csize == 0xFFFFFFFF and values:
+                csize = values.pop(0)
+            if lho == 0xFFFFFFFF and values:
+                lho = values.pop(0)
+        pos += 4 + size
+    return usize, csize, lho
+
+
+def _locate(src: Source, name: str, method: int, crc: int, csize: int, usize: int, lho: int,
+            cd_offset: int) -> ZipEntry:
+    local = src.pread(lho, LOCAL.size)
+    if len(local) < LOCAL.size or local[:4] != LOCAL_SIG:
+        raise ZipError(f"entry '{name}': no local header at offset {lho:,}")
+    nlen, xlen = LOCAL.unpack(local)[9:11]
+    data_at = lho + LOCAL.size + nlen + xlen
+    if data_at + csize > cd_offset:
+        raise ZipError(
+            f"entry '{name}' ({csize:,} bytes at offset {data_at:,}) runs past the start of the "
+            f"central directory at {cd_offset:,}"
+        )
+    return ZipEntry(name, method, crc, csize, usize, lho, data_at)
+
+
+def read_entry(src: Source, entry: ZipEntry, limit: int | None = None) -> bytes:
+    """The entry's uncompressed bytes (at most `limit` of them when given)."""
+    want = entry.size if limit is None else min(limit, entry.size)
+    if entry.method == STORED:
+        return src.pread(entry.data_offset, want)
+    if entry.method == DEFLATED:
+        inflater = zlib.decompressobj(-15)
+        out = bytearray()
+        pos, end = entry.data_offset, entry.data_offset + entry.compressed_size
+        while len(out) < want and pos < end:
+            chunk = src.pread(pos, min(256 * 1024, end - pos))
+            if not chunk:
+                break
+            pos += len(chunk)
+            out += inflater.decompress(chunk, want - len(out))
+            if inflater.eof:
+                break
+        return bytes(out[:want])
+    raise ZipError(f"entry '{entry.name}' uses compression method {entry.method}, not stored/deflate")
+
+
+def entry_crc(src: Source, entry: ZipEntry) -> int:
+    """CRC32 of the entry's uncompressed bytes, read in chunks."""
+    crc = 0
+    if entry.method == STORED:
+        pos, end = entry.data_offset, entry.data_offset + entry.size
+        while pos < end:
+            chunk = src.pread(pos, min(1 << 20, end - pos))
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            pos += len(chunk)
+        return crc
+    return zlib.crc32(read_entry(src, entry))

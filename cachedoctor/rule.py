@@ -1,0 +1,62 @@
+"""The one small protocol every rule in checks/ implements.
+
+A rule module holds its explanation as the module docstring and one `RULE = Rule(...)`.
+A rule checks either one file (`check_file(meta, ctx)`, run in the worker processes) or a
+whole dataset (`check_dataset(view, ctx)`, run once after the files are read, over compact
+per-file summaries). Rules never open files: what they know comes from the readers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from cachedoctor.findings import Finding, Severity
+
+if TYPE_CHECKING:
+    from cachedoctor.formats.meta import FileMeta
+    from cachedoctor.summary import DatasetView
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a rule may know besides its input: the options and the dataset being checked."""
+
+    deep: bool = False
+    dataset: str | None = None
+    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def setting(self, key: str, default: Any) -> Any:
+        """A rule threshold (e.g. CD201's `min-ratio`), from config or flags, else `default`."""
+        return self.settings.get(key, default)
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: Severity
+    summary: str  # one line for `cachedoctor rules`
+    doc: str  # the module docstring: What it does / Why is this bad? / Example / Fix
+    fix: str | None = None  # repair action: quarantine, compact, to-cpu, reencode; None = manual
+    deep: bool = False  # only runs under --deep (reads whole tensors)
+    check_file: Callable[[FileMeta, RuleContext], Iterable[Finding]] | None = None
+    check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
+    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def finding(self, path: str, message: str, ctx: RuleContext | None = None,
+                fix: str | None | bool = True, **details: Any) -> Finding:
+        """A finding of this rule; `fix=False` when this occurrence cannot be repaired."""
+        action = self.fix if fix is True else (None if fix is False else fix)
+        return Finding(
+            code=self.code,
+            name=self.name,
+            severity=self.severity,
+            path=path,
+            message=message,
+            dataset=ctx.dataset if ctx else None,
+            details=details,
+            fix=action,
+        )

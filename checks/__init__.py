@@ -1,0 +1,1 @@
+"""Rules, one module each, registered in RULES."""
