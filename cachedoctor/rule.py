@@ -17,6 +17,7 @@ from cachedoctor.findings import Finding, Severity
 
 if TYPE_CHECKING:
     from cachedoctor.formats.meta import FileMeta
+    from cachedoctor.inventory import Entry
     from cachedoctor.summary import DatasetView
 
 
@@ -27,6 +28,7 @@ class RuleContext:
     deep: bool = False
     dataset: str | None = None
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    entry: Entry | None = None  # file rules: the file's role, area and mtime from the walk
 
     def setting(self, key: str, default: Any) -> Any:
         """A rule threshold (e.g. CD201's `min-ratio`), from config or flags, else `default`."""
@@ -47,7 +49,7 @@ class Rule:
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def finding(self, path: str, message: str, ctx: RuleContext | None = None,
-                fix: str | None | bool = True, **details: Any) -> Finding:
+                fix: str | bool | None = True, **details: Any) -> Finding:
         """A finding of this rule; `fix=False` when this occurrence cannot be repaired."""
         action = self.fix if fix is True else (None if fix is False else fix)
         return Finding(

@@ -37,7 +37,7 @@ def inflated(src: Source) -> Iterator[tuple[Source | None, str | None]]:
                 yield None, f"gzip stream expands past {MAX_EXPANDED:,} bytes: not a cache file"
                 return
             if spool is None and total > IN_MEMORY_LIMIT:
-                spool = tempfile.TemporaryFile()
+                spool = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in the finally below
                 spool.write(out)
                 out = bytearray()
             if spool is not None:

@@ -57,7 +57,7 @@ class TensorMeta:
         begin = self.storage_offset * self.itemsize
         if self.numel == 0:
             return begin, begin
-        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
         return begin, (last + 1) * self.itemsize
 
     @property

@@ -1,0 +1,52 @@
+"""What a scan is asked to do: one frozen value that crosses into the worker processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from cachedoctor.findings import Severity
+
+
+def default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    deep: bool = False
+    jobs: int = field(default_factory=default_jobs)
+    select: tuple[str, ...] = ()  # codes or prefixes ("CD2"); empty = every rule
+    ignore: tuple[str, ...] = ()
+    extend_select: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()  # glob patterns of paths to skip
+    severity: Mapping[str, Severity] = field(default_factory=lambda: MappingProxyType({}))
+    settings: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )  # per-rule thresholds: {"CD201": {"min-ratio": 1.5}}
+
+    def __reduce__(self):
+        return (
+            ScanOptions,
+            (self.deep, self.jobs, self.select, self.ignore, self.extend_select, self.exclude,
+             dict(self.severity), {k: dict(v) for k, v in self.settings.items()}),
+        )
+
+    def enabled(self, code: str) -> bool:
+        """ruff's selection: the most specific matching prefix wins; ignore beats select on a tie."""
+        select = self.select or ("CD",)
+        chosen = _longest(code, (*select, *self.extend_select))
+        dropped = _longest(code, self.ignore)
+        if chosen < 0:
+            return False
+        return dropped < chosen
+
+
+def _longest(code: str, prefixes: Iterable[str]) -> int:
+    return max((len(p) for p in prefixes if code.startswith(p.strip().upper())), default=-1)

@@ -1,0 +1,88 @@
+"""The human report: a rich table on a terminal, one line per finding in a pipe.
+
+On a terminal, many findings of one rule in one dataset collapse into one row with a count
+(`--verbose` lists every file); in a pipe every finding gets its own greppable line.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TextIO
+
+from cachedoctor.findings import Finding, Report, Severity, display_path, printable
+from cachedoctor.units import human_bytes
+
+STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def render(report: Report, out: TextIO, *, verbose: bool = False, color: bool = False,
+           cwd: str | None = None) -> None:
+    if color:
+        _table(report, out, verbose, cwd)
+    else:
+        for f in report.findings:
+            dataset = f" [{printable(f.dataset)}]" if f.dataset else ""
+            out.write(f"{display_path(f.path, cwd)}: {f.code} {f.severity}{dataset} "
+                      f"{printable(f.message)}\n")
+    out.write(summary_line(report) + "\n")
+    hint = next_steps(report)
+    if hint:
+        out.write(hint + "\n")
+
+
+def _groups(report: Report, verbose: bool) -> list[list[Finding]]:
+    if verbose:
+        return [[f] for f in report.findings]
+    key = lambda f: (f.dataset or "", f.code)  # noqa: E731
+    return [list(g) for _, g in itertools.groupby(report.findings, key)]
+
+
+def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=out, force_terminal=True, highlight=False)
+    if not report.findings:
+        console.print("[green]No problems found.[/green]")
+        return
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("dataset", "rule", "sev", "where", "what"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("rule", "sev"))
+    for group in _groups(report, verbose):
+        first = group[0]
+        where = display_path(first.path, cwd)
+        what = first.message
+        if len(group) > 1:
+            where += f" (+{len(group) - 1})"
+            wasted = sum(int(f.details.get("wasted_bytes", 0)) for f in group)
+            if wasted:
+                what += f"; {human_bytes(wasted)} wasted in {len(group):,} files"
+            else:
+                what += f" (and {len(group) - 1:,} more like it)"
+        table.add_row(
+            printable(first.dataset or "-"),
+            first.code,
+            f"[{STYLE[first.severity]}]{first.severity}[/]",
+            printable(where),
+            printable(what),
+        )
+    console.print(table)
+
+
+def summary_line(report: Report) -> str:
+    counts = report.counts
+    parts = [
+        f"{report.files:,} files, {human_bytes(report.bytes)}",
+        f"{counts['error']:,} errors, {counts['warning']:,} warnings, {counts['info']:,} info",
+    ]
+    if report.reclaimable_bytes:
+        parts.append(f"{human_bytes(report.reclaimable_bytes)} reclaimable")
+    return " · ".join(parts)
+
+
+def next_steps(report: Report) -> str:
+    if not report.findings:
+        return ""
+    codes = sorted({f.code for f in report.findings}, key=lambda c: (
+        -max(f.severity for f in report.findings if f.code == c), c))
+    return f"Next: `cachedoctor explain {codes[0]}` says why it matters and how to fix it."

@@ -1,0 +1,72 @@
+"""## What it does
+Reports tensors stored on different devices within one file (`{"latent_image": <cpu>,
+"latent_mask": <cuda:0>}`), and cache directories whose files were saved from different devices
+(some on `cpu`, some on `cuda:0`, or on `cuda:0` and `cuda:1`).
+
+## Why is this bad?
+Loaded without `map_location`, the tensors land on different devices, and the first operation
+that combines them fails: `RuntimeError: Expected all tensors to be on the same device, but
+found at least two devices, cuda:0 and cpu!` (OneTrainer #459: validation mixed cached CPU
+tensors with live CUDA ones). A cache whose files disagree usually had several writers (ranks,
+or a GPU and a CPU caching pass); which device a sample loads onto then depends on the sample.
+
+## Example
+```
+CD502 error cache/image/3a9f…/variation-0/7.pt  tensors on different devices: cpu (latent_image), cuda:0 (latent_mask)
+CD502 error cache/image/3a9f…/variation-0        files saved from different devices: cpu 28 files, cuda:0 12 files
+```
+
+## Fix
+`cachedoctor fix` rewrites every tensor of the affected files on the CPU (`to-cpu`),
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.summary import DatasetView
+
+MAX_LISTED = 1000
+
+
+def check_file(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+    locations = meta.locations
+    if len(locations) < 2:
+        return
+    where = {loc: [t.display_path for t in meta.tensors if t.location == loc] for loc in locations}
+    text = ", ".join(f"{loc} ({', '.join(paths[:3])})" for loc, paths in where.items())
+    yield RULE.finding(meta.path, f"tensors on different devices: {text}", ctx, locations=where)
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    per_dir: dict[str, Counter[str]] = defaultdict(Counter)
+    off_cpu: dict[str, list[str]] = defaultdict(list)
+    for s in view:
+        directory = os.path.dirname(s.path)
+        per_dir[directory][s.locations[0] if len(s.locations) == 1 else "mixed"] += 1
+        if s.locations != ("cpu",) and len(off_cpu[directory]) < MAX_LISTED:
+            off_cpu[directory].append(s.path)
+    for directory, counts in sorted(per_dir.items()):
+        if len(counts) < 2:
+            continue
+        text = ", ".join(f"{loc} {n:,} files" for loc, n in counts.most_common())
+        yield RULE.finding(directory, f"files saved from different devices: {text}", ctx,
+                           locations=dict(counts), files=off_cpu[directory])
+
+
+RULE = Rule(
+    code="CD502",
+    name="mixed-devices",
+    severity=Severity.ERROR,
+    summary="one file, or one cache, holds tensors stored on different devices",
+    doc=__doc__,
+    fix="to-cpu",
+    check_file=check_file,
+    check_dataset=check_dataset,
+)

@@ -1,0 +1,56 @@
+"""## What it does
+Reports cache files whose tensors were saved from a GPU (or another non-CPU device): their
+storages carry a location such as `cuda:0`, `cuda:3`, `xpu:0` or `mps`.
+
+## Why is this bad?
+`torch.load` puts each storage back on the device it was saved from. On a host without that
+device it fails: `RuntimeError: Attempting to deserialize object on a CUDA device but
+torch.cuda.is_available() is False`, or `on CUDA device 3 but torch.cuda.device_count() is 1`.
+On a multi-GPU host every rank loads the sample onto the saving rank's GPU, and mixing those
+tensors with live ones fails with `Expected all tensors to be on the same device` (OneTrainer
+#459, where the cache is written from `train_device` without `.cpu()`).
+
+## Example
+```
+CD501 warning cache/image/3a9f…/variation-0/12.pt  tensors stored on cuda:0 (3 of 3 tensors)
+```
+
+## Fix
+`cachedoctor fix` rewrites the file with every tensor on the CPU (`to-cpu`), bit-identical;
+trainers then load it with `map_location` or move it where they need it. Writers should call
+`.cpu()` before `torch.save`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.rule import Rule, RuleContext
+
+
+def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+    off_cpu = [t for t in meta.tensors if t.location != "cpu"]
+    if not off_cpu:
+        return
+    locations = sorted({t.location for t in off_cpu})
+    yield RULE.finding(
+        meta.path,
+        f"tensors stored on {', '.join(locations)} ({len(off_cpu)} of {len(meta.tensors)} "
+        "tensors)",
+        ctx,
+        locations=locations,
+        tensors=[t.display_path for t in off_cpu],
+    )
+
+
+RULE = Rule(
+    code="CD501",
+    name="tensors-on-accelerator",
+    severity=Severity.WARNING,
+    summary="tensors stored with a CUDA (or other non-CPU) location",
+    doc=__doc__,
+    fix="to-cpu",
+    check_file=check,
+)

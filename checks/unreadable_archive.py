@@ -1,0 +1,58 @@
+"""## What it does
+Reports a cache file that cannot be parsed as its format: a torch zip archive with no central
+directory (truncated or half-written), an entry that runs past the end of the file, a missing
+`data.pkl` or storage record, a legacy torch stream that ends early, a safetensors header whose
+length or offsets are wrong, an npz member cut short, a gzip stream that ends before its end
+marker, or a file of zeros where a cache file should be.
+
+## Why is this bad?
+The trainer dies when it reaches the file, often hours in and on one rank of many, with an
+error that rarely names the cause: `PytorchStreamReader failed reading zip archive: failed
+finding central directory`, `OSError: [Errno 22] Invalid argument` (torch's reading of small
+truncated files), `ValueError: negative seek value`, `unexpected EOF, expected N more bytes`,
+`SafetensorError: Error while deserializing header: MetadataIncompleteBuffer`, or
+`BadZipFile: File is not a zip file`. Files half-written by concurrent writers (SimpleTuner
+#1147) look exactly like this.
+
+## Example
+```
+CD101 error cache/text/10f34c853ae35b374b489315e55183a4-flux.pt
+      no zip central directory: the file ends at 1,800 bytes inside entry '…/data/0'
+```
+
+## Fix
+`cachedoctor fix` moves the file to the quarantine (`<cache>/.cachedoctor/quarantine/<run>/`);
+with `--reencode` a new entry is encoded from the source image. The trainer also rebuilds a
+missing entry on its next caching pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats import UNREADABLE
+from cachedoctor.formats.meta import EMPTY, FileMeta
+from cachedoctor.inventory import TEMP
+from cachedoctor.rule import Rule, RuleContext
+
+
+def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+    if not meta.errors or meta.format in (UNREADABLE, EMPTY):
+        return
+    if ctx.entry is not None and ctx.entry.role == TEMP:
+        return  # a half-written temp file is CD104's, not a broken cache entry
+    container = f"{meta.compression}+{meta.format}" if meta.compression else meta.format
+    yield RULE.finding(meta.path, meta.errors[0], ctx, container=container,
+                       errors=list(meta.errors))
+
+
+RULE = Rule(
+    code="CD101",
+    name="unreadable-archive",
+    severity=Severity.ERROR,
+    summary="a cache file cannot be parsed as its format (truncated, half-written, damaged)",
+    doc=__doc__,
+    fix="quarantine",
+    check_file=check,
+)

@@ -1,0 +1,58 @@
+"""## What it does
+Reports a pickle (inside a torch zip, a gzip-wrapped or legacy torch file, a plain `.pkl`, or
+an npz object array) that names a global outside the tensor allow-list that
+`torch.load(weights_only=True)` accepts. The file is read by a restricted unpickler that
+imports nothing and runs nothing; the globals are listed, never resolved.
+
+## Why is this bad?
+Unpickling runs code: a `__reduce__` naming `os.system` or `builtins.exec` executes when a
+trainer calls `torch.load(..., weights_only=False)` (OneTrainer's cache loader does) or
+`np.load(..., allow_pickle=True)`. A cache downloaded from someone else, or a shared cache dir
+on a multi-user box, can carry one. Files that merely hold numpy arrays or custom classes are
+reported too: `weights_only=True` refuses them (`Unsupported global`), which breaks trainers
+that load safely.
+
+## Example
+```
+CD105 error cache/vae/photos/evil.pt  pickle imports globals outside the tensor allow-list: posix.system
+```
+
+## Fix
+`cachedoctor fix` moves the file to the quarantine without ever loading it; with `--reencode`
+a clean entry is encoded from the source image. Never open such a file with
+`weights_only=False`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.rule import Rule, RuleContext
+
+DANGEROUS_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__", "sys",
+                     "shutil", "socket", "runpy", "importlib", "pty", "code", "ctypes")
+
+
+def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+    if not meta.unsafe_globals:
+        return
+    names = ", ".join(meta.unsafe_globals[:8])
+    if len(meta.unsafe_globals) > 8:
+        names += f" (+{len(meta.unsafe_globals) - 8} more)"
+    code_exec = [g for g in meta.unsafe_globals if g.split(".")[0] in DANGEROUS_MODULES]
+    lead = "pickle can run code: " if code_exec else "pickle imports globals outside the tensor allow-list: "
+    yield RULE.finding(meta.path, lead + names, ctx, globals=list(meta.unsafe_globals),
+                       executes_code=bool(code_exec))
+
+
+RULE = Rule(
+    code="CD105",
+    name="unsafe-pickle",
+    severity=Severity.ERROR,
+    summary="a pickle imports a global outside the tensor allow-list (never loaded)",
+    doc=__doc__,
+    fix="quarantine",
+    check_file=check,
+)
