@@ -29,6 +29,17 @@ TENSOR_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, SAFETENSORS, NPZ, NPY})
 PICKLE_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, PICKLE})
 
 
+def contiguous_stride(shape: tuple[int, ...], column_major: bool = False) -> tuple[int, ...]:
+    """Strides (in elements) of a dense tensor, as torch and numpy lay it out (0-size dims
+    count as 1); column-major for numpy's fortran_order."""
+    stride = [0] * len(shape)
+    step = 1
+    for i in range(len(shape)) if column_major else range(len(shape) - 1, -1, -1):
+        stride[i] = step
+        step *= max(shape[i], 1)
+    return tuple(stride)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
     """One tensor as stored: enough to tell its size, its storage and where it will load."""

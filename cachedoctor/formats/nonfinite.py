@@ -1,0 +1,72 @@
+"""--deep value checks: count NaN and Inf in raw tensor bytes, without torch.
+
+Keyed by torch dtype names so every reader can use it. bfloat16 and the float8 formats have no
+numpy dtype: they are counted by bit pattern. numpy is imported on first use, so a default
+(metadata-only) scan never pays for its import.
+"""
+
+from __future__ import annotations
+
+from cachedoctor.formats.source import Source
+
+CHUNK = 16 * 1024 * 1024  # bytes per read: bounds a worker's memory on a multi-GB tensor
+
+# IEEE formats numpy knows: torch name -> (numpy code, values per element)
+_IEEE = {
+    "float16": ("f2", 1),
+    "float32": ("f4", 1),
+    "float64": ("f8", 1),
+    "complex64": ("f4", 2),
+    "complex128": ("f8", 2),
+}
+# The rest: torch name -> (unsigned view, mask, value); `bits & mask == value` is NaN or Inf
+_BIT_PATTERNS = {
+    "bfloat16": ("u2", 0x7F80, 0x7F80),  # exponent all ones
+    "float8_e5m2": ("u1", 0x7C, 0x7C),  # exponent all ones
+    "float8_e4m3fn": ("u1", 0x7F, 0x7F),  # no Inf; NaN is S.1111.111
+    "float8_e4m3fnuz": ("u1", 0xFF, 0x80),  # no Inf; NaN is the negative zero pattern
+    "float8_e5m2fnuz": ("u1", 0xFF, 0x80),
+    "float8_e8m0fnu": ("u1", 0xFF, 0xFF),
+}
+FLOAT_DTYPES = frozenset(_IEEE) | frozenset(_BIT_PATTERNS)
+
+
+def _itemsize(dtype: str) -> int:
+    code, parts = _IEEE.get(dtype) or (_BIT_PATTERNS[dtype][0], 1)
+    return int(code[1:]) * parts
+
+
+def count_nonfinite(data: bytes | memoryview, dtype: str, big_endian: bool = False) -> int:
+    """NaN/Inf elements in `data` (whole elements only); 0 for dtypes that have neither."""
+    if dtype not in FLOAT_DTYPES:
+        return 0
+    import numpy as np
+
+    order = ">" if big_endian else "<"
+    count = len(data) // _itemsize(dtype)
+    if dtype in _IEEE:
+        code, parts = _IEEE[dtype]
+        bad = ~np.isfinite(np.frombuffer(data, order + code, count=count * parts))
+        if parts == 2:  # a complex element is bad when either part is
+            bad = bad.reshape(-1, 2).any(axis=1)
+        return int(np.count_nonzero(bad))
+    code, mask, value = _BIT_PATTERNS[dtype]
+    bits = np.frombuffer(data, order + code, count=count)
+    return int(np.count_nonzero((bits & mask) == value))
+
+
+def count_nonfinite_at(
+    src: Source, offset: int, nbytes: int, dtype: str, big_endian: bool = False
+) -> int:
+    """count_nonfinite over `nbytes` of `src` at `offset`, read in bounded chunks."""
+    if dtype not in FLOAT_DTYPES:
+        return 0
+    step = CHUNK - CHUNK % _itemsize(dtype)
+    total, pos, end = 0, offset, offset + nbytes
+    while pos < end:
+        chunk = src.pread(pos, min(step, end - pos))
+        if not chunk:
+            break
+        total += count_nonfinite(chunk, dtype, big_endian)
+        pos += len(chunk)
+    return total

@@ -1,0 +1,335 @@
+"""numpy `.npy`: the array header (shared with numpy_npz.py) and a bare `.npy` file.
+
+A header is `\\x93NUMPY`, a version (1.0, 2.0 or 3.0), a u16 (v1) or u32 length, then a Python
+literal dict `{'descr': ..., 'fortran_order': ..., 'shape': ...}` padded with spaces and a
+newline. numpy writes one exact form of that dict, which a regex reads in a microsecond;
+anything else goes through `ast.literal_eval` (never eval), as numpy's own `safe_eval` does.
+The checks are the ones `np.load` makes, plus header size + numel × itemsize == data size.
+An object array (`|O`) is a pickle that np.load runs only with allow_pickle=True: its globals
+are listed by the restricted unpickler and it is never executed.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass
+from math import prod
+
+from cachedoctor.formats.meta import NPY, FileMeta, TensorMeta, contiguous_stride
+from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_nonfinite_at
+from cachedoctor.formats.source import Source
+from cachedoctor.formats.unpickler import MAX_PICKLE_BYTES, UnpickleError, load_restricted
+
+MAGIC = b"\x93NUMPY"
+HEAD_READ = 256  # a numpy 2 header is 128 bytes unless the dtype is structured
+MAX_HEADER_CHARS = 10_000  # np.load's max_header_size unless allow_pickle=True
+MAX_REMEMBERED = 4096  # distinct headers kept parsed
+
+_NUMPY_FORM = re.compile(
+    r"\{'descr': '([^'\\]+)', 'fortran_order': (True|False), 'shape': \(([\d, ]*)\), \}[ \n]*\Z"
+)
+_TYPESTR = re.compile(r"([<>|=]?)([biufcmMOSUVa])(\d*)(\[\w+\])?\Z")
+_PY2_LONG = re.compile(r"\b(\d+)L\b")  # numpy < 1.x wrote 64L: numpy still reads those headers
+_KEYS = frozenset(("descr", "fortran_order", "shape"))
+
+# (kind, itemsize) -> torch's dtype name
+_TORCH = {
+    ("b", 1): "bool",
+    ("i", 1): "int8", ("i", 2): "int16", ("i", 4): "int32", ("i", 8): "int64",
+    ("u", 1): "uint8", ("u", 2): "uint16", ("u", 4): "uint32", ("u", 8): "uint64",
+    ("f", 2): "float16", ("f", 4): "float32", ("f", 8): "float64",
+    ("c", 8): "complex64", ("c", 16): "complex128",
+}
+_NUMPY_KIND = {"f": "float", "c": "complex", "S": "bytes", "a": "bytes", "U": "str", "V": "void"}
+
+
+class NpyError(ValueError):
+    """The bytes are no loadable .npy header; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dtype:
+    name: str  # torch's name, or numpy's (str160, void64, datetime64[ns]) where torch has none
+    itemsize: int
+    big_endian: bool = False
+    has_object: bool = False
+    torch: bool = True  # whether torch has this dtype
+
+
+@dataclass(frozen=True, slots=True)
+class NpyHeader:
+    descr: str  # as written: '<f4', or the repr of a structured descr
+    dtype: Dtype
+    shape: tuple[int, ...]
+    fortran_order: bool
+    data_offset: int  # bytes from the magic to the first data byte
+    stride: tuple[int, ...]  # in elements: C order, or column-major for fortran_order
+
+    @property
+    def nbytes(self) -> int:
+        """Data bytes np.save writes for this header (object arrays: unknown, a pickle)."""
+        return prod(self.shape) * self.dtype.itemsize
+
+
+def header_size(prefix: bytes) -> int:
+    """Bytes from the magic to the data, from the first 12 bytes; NpyError if no npy."""
+    if not prefix:
+        raise NpyError("empty: no .npy header")
+    if prefix[:6] != MAGIC[: len(prefix)]:
+        raise NpyError(f"not an .npy array: it starts with {prefix[:8].hex(' ')}, not \\x93NUMPY")
+    if len(prefix) < 10:
+        raise NpyError(f"truncated: it ends after {len(prefix)} bytes, inside the npy preamble")
+    major, minor = prefix[6], prefix[7]
+    if (major, minor) == (1, 0):
+        start, length = 10, int.from_bytes(prefix[8:10], "little")
+    elif (major, minor) in ((2, 0), (3, 0)):
+        if len(prefix) < 12:
+            raise NpyError("header ends inside its length field")
+        start, length = 12, int.from_bytes(prefix[8:12], "little")
+    else:
+        raise NpyError(f"npy format version {major}.{minor}: numpy reads only 1.0, 2.0 and 3.0")
+    if length > MAX_HEADER_CHARS * (4 if major == 3 else 1):  # checked before reading it
+        raise _too_large(length)
+    return start + length
+
+
+def _too_large(length: int) -> NpyError:
+    return NpyError(
+        f"Header info length ({length:,}) is large and may not be safe to load securely "
+        "(np.load refuses it unless allow_pickle=True)"
+    )
+
+
+def parse_header(data: bytes) -> NpyHeader:
+    """The header at the start of `data`, which must hold header_size(data) bytes."""
+    end = header_size(data)
+    if len(data) < end:
+        raise NpyError(f"header needs {end:,} bytes, only {len(data):,} are there")
+    raw = data[:end]
+    header = _parsed.get(raw)
+    if header is None:
+        header = _parse(raw)
+        if end <= HEAD_READ:
+            if len(_parsed) >= MAX_REMEMBERED:
+                _parsed.clear()
+            _parsed[raw] = header
+    return header
+
+
+# The files of one cache repeat a handful of headers: parse each (small) one once per worker.
+_parsed: dict[bytes, NpyHeader] = {}
+
+
+def _parse(raw: bytes) -> NpyHeader:
+    start, end = (10 if raw[6] == 1 else 12), len(raw)
+    try:
+        text = raw[start:].decode("utf-8" if raw[6] == 3 else "latin1")
+    except UnicodeDecodeError as exc:
+        raise NpyError(f"header is not UTF-8 ({exc.reason} at byte {start + exc.start})") from None
+    if len(text) > MAX_HEADER_CHARS:
+        raise _too_large(len(text))
+    m = _NUMPY_FORM.match(text)
+    if m is not None:
+        descr, fortran = m[1], m[2] == "True"
+        shape = tuple(map(int, m[3].replace(",", " ").split()))
+        return _header(descr, _typestr(descr), shape, fortran, end)
+    return _parse_literal(text, raw[6], end)
+
+
+def _header(descr: str, dtype: Dtype, shape: tuple[int, ...], fortran: bool, end: int
+            ) -> NpyHeader:
+    return NpyHeader(descr, dtype, shape, fortran, end, contiguous_stride(shape, fortran))
+
+
+def _parse_literal(text: str, major: int, end: int) -> NpyHeader:
+    try:
+        d = _literal(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
+        if major > 2 or not _PY2_LONG.search(text):
+            raise NpyError(f"header is no Python literal: {exc}") from None
+        try:
+            d = _literal(_PY2_LONG.sub(r"\1", text))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc2:
+            raise NpyError(f"header is no Python literal: {exc2}") from None
+    if not isinstance(d, dict):
+        raise NpyError(f"Header is not a dictionary: {text.strip()[:80]!r}")
+    if d.keys() != _KEYS:
+        raise NpyError(f"Header does not contain the correct keys: {sorted(map(str, d))}")
+    shape = d["shape"]
+    if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+        raise NpyError(f"shape is not a valid shape: {shape!r}")
+    if not isinstance(d["fortran_order"], bool):
+        raise NpyError(f"fortran_order is not a valid bool: {d['fortran_order']!r}")
+    descr = d["descr"]
+    descr_text = descr if isinstance(descr, str) else repr(descr)
+    return _header(descr_text, _resolve(descr), shape, d["fortran_order"], end)
+
+
+def _literal(text: str) -> object:
+    return ast.literal_eval(text.lstrip(" \t"))
+
+
+def _resolve(descr: object) -> Dtype:
+    """numpy's descr_to_dtype, computed: itemsize and name without building a numpy dtype."""
+    if isinstance(descr, str):
+        return _typestr(descr)
+    if isinstance(descr, tuple) and len(descr) == 2:  # (base descr, subarray shape)
+        base = _resolve(descr[0])
+        size = base.itemsize * _count(descr[1])
+        return Dtype(f"void{size * 8}", size, has_object=base.has_object, torch=False)
+    if isinstance(descr, list):
+        size, has_object = 0, False
+        for field in descr:
+            if not isinstance(field, tuple) or len(field) not in (2, 3):
+                raise NpyError(f"structured descr field {field!r} is not (name, descr[, shape])")
+            dtype = _resolve(field[1])
+            size += dtype.itemsize * (_count(field[2]) if len(field) == 3 else 1)
+            has_object = has_object or dtype.has_object
+        return Dtype(f"void{size * 8}", size, has_object=has_object, torch=False)
+    raise NpyError(f"descr {descr!r} is not a numpy dtype")
+
+
+def _count(shape: object) -> int:
+    if type(shape) is int and shape >= 0:
+        return shape
+    if isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape):
+        return prod(shape)
+    raise NpyError(f"subarray shape {shape!r} is not a shape")
+
+
+def _typestr(descr: str) -> Dtype:
+    m = _TYPESTR.match(descr)
+    if m is None:
+        return _numpy_alias(descr)
+    order, kind, digits, unit = m.groups()
+    size = int(digits) if digits else None
+    big = order == ">"
+    if kind == "O" and size in (None, 8):
+        return Dtype("object", 8, has_object=True, torch=False)
+    if size is None:
+        return _numpy_alias(descr)
+    torch_name = _TORCH.get((kind, size))
+    if torch_name is not None and unit is None:
+        return Dtype(torch_name, size, big and size > 1)
+    if kind in "mM" and size == 8:
+        name = ("timedelta64" if kind == "m" else "datetime64") + (unit or "")
+        return Dtype(name, 8, big, torch=False)
+    if kind in "fcSaV" and unit is None:
+        return Dtype(f"{_NUMPY_KIND[kind]}{size * 8}", size, big and kind in "fc", torch=False)
+    if kind == "U" and unit is None:
+        return Dtype(f"str{size * 32}", size * 4, big, torch=False)
+    return _numpy_alias(descr)
+
+
+def _numpy_alias(descr: str) -> Dtype:
+    """A descr np.save never writes ('float32', '<f'): numpy decides, imported only here."""
+    import numpy as np
+
+    try:
+        dtype = np.dtype(descr)
+    except Exception as exc:  # numpy's dtype parser raises several types for odd strings
+        raise NpyError(f"descr {descr!r} is not a numpy dtype ({exc})") from None
+    if dtype.str != descr and _TYPESTR.match(dtype.str) and dtype.subdtype is None:
+        return _typestr(dtype.str)
+    return Dtype(dtype.name, dtype.itemsize, has_object=dtype.hasobject, torch=False)
+
+
+def tensor_meta(
+    header: NpyHeader, path: tuple[str, ...], storage_key: str, storage_bytes: int | None
+) -> TensorMeta:
+    """The array as a tensor: C strides, or column-major for fortran_order."""
+    return TensorMeta(
+        path=path,
+        dtype=header.dtype.name,
+        shape=header.shape,
+        stride=header.stride,
+        storage_offset=0,
+        storage_key=storage_key,
+        storage_bytes=storage_bytes,
+        itemsize=header.dtype.itemsize,
+    )
+
+
+def size_error(header: NpyHeader, data_bytes: int) -> str | None:
+    """Why `data_bytes` after the header cannot be this array (None when they can)."""
+    need = header.nbytes
+    if data_bytes == need or header.dtype.has_object:
+        return None
+    what = f"{header.descr} {list(header.shape)}"
+    if data_bytes < need:
+        return (
+            f"truncated: the header promises {need:,} bytes of {what} data, "
+            f"only {data_bytes:,} follow it"
+        )
+    return f"{data_bytes - need:,} bytes after the {need:,} bytes of {what} data"
+
+
+def dtype_notes(header: NpyHeader, what: str) -> list[str]:
+    """Facts about the dtype worth a line: `what` names the array ("the array", "'latents'")."""
+    dtype = header.dtype
+    if dtype.has_object:
+        return [f"{what} is an object array: np.load runs its pickle only with allow_pickle=True"]
+    if dtype.big_endian:
+        return [f"{what} is big-endian ({header.descr}): torch.from_numpy refuses it unswapped"]
+    if not dtype.torch:
+        return [f"{what} has numpy dtype {header.descr} ({dtype.name}), which torch lacks"]
+    return []
+
+
+def pickle_globals(data: bytes, offset: int) -> tuple[tuple[str, ...], str | None]:
+    """Globals the object array's pickle at `offset` names, and why it is broken if it is.
+
+    All of them are unsafe: np.load refuses any object array without allow_pickle=True.
+    """
+    try:
+        found = load_restricted(data, offset)
+    except UnpickleError as exc:  # still report what a pickle named before it broke
+        return tuple(dict.fromkeys((*exc.globals, *exc.unsafe_globals))), (
+            f"the object array's pickle is damaged: {exc}"
+        )
+    return tuple(dict.fromkeys((*found.globals, *found.unsafe_globals))), None
+
+
+def read(src: Source, path: str, deep: bool) -> FileMeta:
+    """A bare .npy file: its header, its data size, and with `deep` its NaN/Inf count."""
+    try:
+        head = src.pread(0, HEAD_READ)
+        end = header_size(head)
+        if end > src.size:
+            raise NpyError(f"truncated: the header needs {end:,} bytes, the file has {src.size:,}")
+        header = parse_header(head if end <= len(head) else src.pread(0, end))
+    except NpyError as exc:
+        return FileMeta(path, src.size, NPY, errors=(f"npy header: {exc}",))
+    data_bytes = src.size - header.data_offset
+    errors, globals_ = [], ()
+    if header.dtype.has_object:
+        if data_bytes > MAX_PICKLE_BYTES:
+            errors.append(f"object array pickle of {data_bytes:,} bytes is too large to scan")
+        else:
+            globals_, error = pickle_globals(src.pread(header.data_offset, data_bytes), 0)
+            errors += [error] if error else []
+    else:
+        error = size_error(header, data_bytes)
+        errors += [error] if error else []
+    nonfinite = ()
+    if deep and not errors and header.dtype.name in FLOAT_DTYPES:
+        count = count_nonfinite_at(
+            src, header.data_offset, header.nbytes, header.dtype.name, header.dtype.big_endian
+        )
+        nonfinite = (((), count),) if count else ()
+    storage = None if header.dtype.has_object else data_bytes
+    return FileMeta(
+        path,
+        src.size,
+        NPY,
+        root="tensor",
+        tensors=(tensor_meta(header, (), os.path.basename(path), storage),),
+        globals=globals_,
+        unsafe_globals=globals_,
+        errors=tuple(errors),
+        nonfinite=nonfinite,
+        notes=tuple(dtype_notes(header, "the array")),
+        deep=deep,
+    )
