@@ -1,0 +1,154 @@
+"""torch.save's zip format: `<prefix>/data.pkl` names the tensors, `<prefix>/data/<key>` holds
+each storage's bytes, `<prefix>/version` the format version.
+
+The checks are the ones torch.load makes when it opens the archive and rebuilds each tensor
+(PyTorchStreamReader and torch.serialization._load), with torch's wording in parentheses so a
+user can match their traceback: the first entry must sit in a subdirectory (its name is the
+prefix; torch writes the file's stem or `archive`), data.pkl and a version record must exist,
+every storage data.pkl names must have a record of numel x itemsize bytes, and every tensor
+must lie inside its storage. With `deep`, every entry's CRC32 is checked (torch.load never
+does) and float tensors are searched for NaN and Inf.
+"""
+
+from __future__ import annotations
+
+from cachedoctor.formats.meta import TORCH_ZIP, FileMeta
+from cachedoctor.formats.source import BytesSource, Source
+from cachedoctor.formats.torch_tensors import nonfinite_counts, tensor_metas
+from cachedoctor.formats.unpickler import (
+    MAX_PICKLE_BYTES,
+    UnpickleError,
+    load_restricted,
+    root_kind,
+)
+from cachedoctor.formats.zipdir import STORED, ZipDirectory, ZipEntry, entry_crc, read_entry
+
+
+def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta:
+    """Metadata of the torch zip file in `src`; never raises for bad input."""
+    try:
+        return _Reader(src, path, deep, directory).read()
+    except OSError:
+        raise  # the dispatcher reports I/O failures as such
+    except Exception as exc:  # malformed input that slipped past a check: still no traceback
+        return FileMeta(path, src.size, TORCH_ZIP, deep=deep,
+                        errors=(f"cannot read the archive ({type(exc).__name__}: {exc})",))
+
+
+class _Reader:
+    def __init__(self, src: Source, path: str, deep: bool, directory: ZipDirectory) -> None:
+        self.src, self.path, self.deep, self.directory = src, path, deep, directory
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.globals: list[str] = []
+        self.unsafe: list[str] = []
+
+    def read(self) -> FileMeta:
+        directory, errors = self.directory, self.errors
+        entries = directory.entries
+        if directory.trailing_bytes:
+            self.notes.append(f"{directory.trailing_bytes:,} bytes follow the end of the zip "
+                              "archive (torch.load ignores them)")
+        if not entries:
+            errors.append("the zip archive has no entries, so no data.pkl")
+            return self._meta()
+        first = entries[0].name
+        slash = first.find("/")
+        if slash <= 0:
+            errors.append(f"the first entry '{first}' is not in a directory, so torch.load finds "
+                          f"no data.pkl (file in archive is not in a subdirectory: {first})")
+            return self._meta()
+        prefix = first[: slash + 1]
+        cut = len(prefix)
+        records = {e.name[cut:]: e for e in entries if e.name.startswith(prefix)}
+        pkl = records.get("data.pkl")
+        if pkl is None:
+            errors.append(f"the archive has no {prefix}data.pkl, which holds the saved object "
+                          "(torch.load: failed locating file data.pkl)")
+        self._check_version(records, prefix)
+        if pkl is None:
+            return self._meta()
+        unpickled = self._unpickle(pkl)
+        if unpickled is None:
+            return self._meta()
+        stored: dict[str, int] = {}
+        for key, ref in unpickled.storages.items():
+            record = records.get(f"data/{key}")
+            if record is None:
+                errors.append(
+                    f"data.pkl names storage '{key}' but the archive has no {prefix}data/{key} "
+                    f"(torch.load: failed locating file data/{key})")
+                continue
+            stored[key] = record.size
+            if record.size != ref.nbytes:
+                errors.append(
+                    f"storage {prefix}data/{key} holds {record.size:,} bytes where data.pkl "
+                    f"expects {ref.nbytes:,} ({ref.numel:,} x {ref.dtype}) (torch.load: record "
+                    f"size {record.size} mismatch with dst size {ref.nbytes})")
+        tensors, tensor_errors = tensor_metas(unpickled.obj, stored)
+        errors.extend(tensor_errors)
+        nonfinite: tuple = ()
+        if self.deep:
+            big = self._big_endian(records)
+
+            def locate(key: str) -> tuple[Source, int] | None:
+                record = records.get(f"data/{key}")
+                if record is None or key not in stored:
+                    return None
+                if record.method == STORED:
+                    return self.src, record.data_offset
+                return BytesSource(read_entry(self.src, record)), 0
+
+            nonfinite = nonfinite_counts(tensors, locate, big)
+        return self._meta(root=root_kind(unpickled.obj), tensors=tuple(tensors),
+                          nonfinite=nonfinite)
+
+    def _check_version(self, records: dict[str, ZipEntry], prefix: str) -> None:
+        record = records.get(".data/version") or records.get("version")
+        if record is None:
+            self.errors.append(f"the archive has no {prefix}version record, which torch.load "
+                               "requires (failed finding central directory record 'version')")
+            return
+        text = read_entry(self.src, record, 32).strip()
+        if not text.isdigit() or int(text) < 1:
+            shown = text.decode("ascii", "replace")
+            self.errors.append(f"the version record holds '{shown}', not a format version")
+
+    def _unpickle(self, pkl: ZipEntry):
+        if pkl.size > MAX_PICKLE_BYTES:
+            self.errors.append(f"data.pkl is {pkl.size:,} bytes, more than the "
+                               f"{MAX_PICKLE_BYTES // 2**20} MiB cachedoctor unpickles: not checked")
+            return None
+        try:
+            unpickled = load_restricted(read_entry(self.src, pkl))
+        except UnpickleError as exc:
+            self.globals, self.unsafe = exc.globals, exc.unsafe_globals
+            self.errors.append(f"data.pkl is damaged: {exc}")
+            return None
+        self.globals, self.unsafe = unpickled.globals, unpickled.unsafe_globals
+        return unpickled
+
+    def _big_endian(self, records: dict[str, ZipEntry]) -> bool:
+        record = records.get("byteorder")
+        return record is not None and read_entry(self.src, record, 16).strip() == b"big"
+
+    def _crc_errors(self) -> tuple[str, ...]:
+        entries = self.directory.entries
+        if all(e.crc == 0 for e in entries if e.size):
+            if any(e.size for e in entries):
+                self.notes.append("CRC32 not recorded (every entry's checksum is 0, as torch "
+                                  "writes with compute_crc32=False): bytes cannot be verified")
+            return ()
+        found = []
+        for e in entries:
+            actual = entry_crc(self.src, e)
+            if actual != e.crc:
+                found.append(f"{e.name}: its bytes have CRC32 {actual:08x}, the zip directory "
+                             f"records {e.crc:08x}")
+        return tuple(found)
+
+    def _meta(self, **fields) -> FileMeta:
+        crc_errors = self._crc_errors() if self.deep else ()
+        return FileMeta(self.path, self.src.size, TORCH_ZIP, globals=tuple(self.globals),
+                        unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
+                        crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)

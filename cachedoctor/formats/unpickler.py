@@ -1,0 +1,679 @@
+"""A restricted unpickler: reads torch's pickles into inert stand-ins, imports and runs nothing.
+
+`find_class` answers from a fixed table that mirrors torch 2.13's weights-only allow-list
+(`torch/_weights_only_unpickler.py::_get_allowed_globals`), with our own factories in place of
+torch's: a tensor becomes a TensorRef (dtype, shape, stride, offset, storage), a storage a
+StorageRef. Every other global is recorded as unsafe and becomes an inert Stub class that accepts
+any call, BUILD, APPEND or SETITEM and does nothing else; nothing is ever imported or resolved.
+
+Before the C unpickler sees a stream, pickle_guard checks it for what the C unpickler would
+survive badly (huge memo indices, deeply nested tuples, lying lengths).
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import pickle
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from cachedoctor.formats.pickle_guard import StreamError, check_stream
+
+MAX_PICKLE_BYTES = 64 * 1024 * 1024
+MAX_GLOBALS = 10_000  # distinct globals one pickle may name (each costs a stub class)
+MAX_WALK_DEPTH = 256
+MAX_WALK_ITEMS = 10_000_000
+MAX_TENSORS = 100_000
+
+
+class UnpickleError(Exception):
+    """The stream is not a pickle we can read; str() is a sentence for a user.
+
+    `globals` and `unsafe_globals` hold what was seen before the failure: a hostile pickle that
+    breaks halfway is still reported for the globals it named.
+    """
+
+    def __init__(self, message: str, globals: list[str] | None = None,
+                 unsafe_globals: list[str] | None = None, *, truncated: bool = False) -> None:
+        super().__init__(message)
+        self.globals = globals or []
+        self.unsafe_globals = unsafe_globals or []
+        self.truncated = truncated
+
+
+class _Inert:
+    """Base of our shared objects: BUILD must not change them for the next file."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: object) -> None:
+        raise pickle.UnpicklingError(f"the pickle tries to change {self!r} (BUILD)")
+
+
+class DType(_Inert):
+    __slots__ = ("itemsize", "name")
+
+    def __init__(self, name: str, itemsize: int) -> None:
+        self.name, self.itemsize = name, itemsize
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class StorageType(_Inert):
+    __slots__ = ("dtype", "name")
+
+    def __init__(self, name: str, dtype: DType) -> None:
+        self.name, self.dtype = name, dtype
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class StorageRef(_Inert):
+    """A storage named by a persistent id. A legacy file can also name a view into one: then
+    `root` is the key of the storage whose bytes the file holds and `root_offset` (bytes) says
+    where the view starts in it."""
+
+    __slots__ = ("dtype", "itemsize", "key", "location", "nbytes", "numel", "root",
+                 "root_offset", "untyped")
+
+    def __init__(self, key: str, stype: StorageType, location: str, numel: int,
+                 root: str | None = None, root_offset: int = 0) -> None:
+        self.key, self.location, self.numel = key, location, numel
+        self.dtype, self.itemsize = stype.dtype.name, stype.dtype.itemsize
+        self.nbytes = numel * self.itemsize
+        self.untyped = stype is UNTYPED_STORAGE
+        self.root, self.root_offset = key if root is None else root, root_offset
+
+    def __repr__(self) -> str:
+        return f"StorageRef({self.key!r}, {self.dtype}, {self.nbytes} B, {self.location!r})"
+
+
+class TensorRef:
+    """A tensor as pickled: never any values. `storage` is None for meta and wrapper tensors."""
+
+    __slots__ = ("dtype", "itemsize", "location", "requires_grad", "shape", "storage",
+                 "storage_offset", "stride")
+
+    def __init__(self, storage: StorageRef | None, storage_offset: int, shape: tuple[int, ...],
+                 stride: tuple[int, ...], dtype: DType, requires_grad: bool,
+                 location: str) -> None:
+        self.storage, self.storage_offset = storage, storage_offset
+        self.shape, self.stride = shape, stride
+        self.dtype, self.itemsize = dtype.name, dtype.itemsize
+        self.requires_grad, self.location = requires_grad, location
+
+    def __setstate__(self, state: object) -> None:
+        """torch accepts BUILD on a tensor (legacy `set_`); nothing of it is metadata."""
+
+    def copy(self, **changes: Any) -> TensorRef:
+        new = object.__new__(TensorRef)
+        for name in TensorRef.__slots__:
+            setattr(new, name, changes.get(name, getattr(self, name)))
+        return new
+
+    def __repr__(self) -> str:
+        key = self.storage.key if self.storage is not None else None
+        return (f"TensorRef({self.dtype}, shape={self.shape}, stride={self.stride}, "
+                f"offset={self.storage_offset}, storage={key!r}, {self.location!r})")
+
+
+class Stub:
+    """Stand-in for a global we do not interpret: keeps what the pickle gave it, runs nothing."""
+
+    __slots__ = ("args", "items", "kwargs", "mapping", "state")
+    global_name = "?"
+    unsafe = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
+        self = object.__new__(cls)
+        self.args, self.kwargs = args, kwargs
+        self.state, self.items, self.mapping = None, [], {}
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Stub:
+        return type(self)(*args, **kwargs)
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+    def append(self, item: object) -> None:
+        self.items.append(item)
+
+    def extend(self, items: list) -> None:
+        self.items.extend(items)
+
+    def add(self, item: object) -> None:
+        self.items.append(item)
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self.mapping[key] = value
+
+    def __repr__(self) -> str:
+        return f"<stub {self.global_name}>"
+
+    def children(self) -> Iterator[tuple[object, object]]:
+        """What this object holds, under the names the walk puts in a path."""
+        yield from enumerate(self.args)
+        yield from self.kwargs.items()
+        states = self.state if isinstance(self.state, tuple) else (self.state,)
+        for state in states:
+            if isinstance(state, dict):
+                yield from state.items()
+            elif state is not None:
+                yield "__state__", state
+        yield from enumerate(self.items)
+        yield from self.mapping.items()
+
+
+def _stub_class(full_name: str, unsafe: bool) -> type[Stub]:
+    return type(f"Stub[{full_name}]", (Stub,),
+                {"__slots__": (), "global_name": full_name, "unsafe": unsafe})
+
+
+class _Factory(_Inert):
+    """One of our functions, callable by REDUCE, unchangeable by BUILD."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<factory {self.fn.__name__}>"
+
+
+# ---- dtypes and storage types, as torch 2.13 allows them ----------------------------------
+
+_DTYPE_SIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bits16": 2,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+    **{f"uint{n}": 1 for n in range(1, 8)}, **{f"int{n}": 1 for n in range(1, 8)},
+}
+DTYPES = {name: DType(name, size) for name, size in _DTYPE_SIZES.items()}
+_UINT8 = DTYPES["uint8"]
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+    "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+}
+_QUANTIZED_STORAGE_DTYPES = {
+    "QInt8Storage": "qint8", "QUInt8Storage": "quint8", "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+}
+UNTYPED_STORAGE = StorageType("UntypedStorage", _UINT8)
+
+# ---- factories for the allowed callables ----------------------------------------------------
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if type(value) is not tuple:
+        if type(value) is not list:
+            raise pickle.UnpicklingError(f"a tensor's {what} is not a tuple of integers")
+        value = tuple(value)
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise pickle.UnpicklingError(f"a tensor's {what} holds {_kind_of(v)}")
+    return value
+
+
+def _kind_of(v: object) -> str:
+    return "a negative number" if type(v) is int else f"a {type(v).__name__}, not an integer"
+
+
+def _tensor(storage: object, storage_offset: object, size: object, stride: object,
+            dtype: object, requires_grad: object) -> TensorRef:
+    if type(storage) is not StorageRef:
+        raise pickle.UnpicklingError("a tensor's storage is not a torch storage reference")
+    if type(dtype) is not DType:
+        raise pickle.UnpicklingError("a tensor's dtype is not a torch dtype")
+    if type(storage_offset) is not int or storage_offset < 0:
+        raise pickle.UnpicklingError("a tensor's storage offset is not a non-negative integer")
+    if type(requires_grad) is not bool:
+        raise pickle.UnpicklingError("a tensor's requires_grad is not True or False")
+    shape, strides = _ints(size, "shape"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(
+            f"a tensor has {len(shape)} dimensions but {len(strides)} strides")
+    return TensorRef(storage, storage_offset, shape, strides, dtype, requires_grad,
+                     storage.location)
+
+
+def _storage_dtype(storage: object) -> DType:
+    if type(storage) is not StorageRef:
+        raise pickle.UnpicklingError("a tensor's storage is not a torch storage reference")
+    return DTYPES[storage.dtype]
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    return _tensor(storage, storage_offset, size, stride, _storage_dtype(storage), False)
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks,
+                       metadata=None):
+    return _tensor(storage, storage_offset, size, stride, _storage_dtype(storage), requires_grad)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks,
+                       dtype, metadata=None):
+    return _tensor(storage, storage_offset, size, stride, dtype, requires_grad)
+
+
+def _rebuild_qtensor(storage, storage_offset, size, stride, quantizer_params, requires_grad,
+                     backward_hooks):
+    return _tensor(storage, storage_offset, size, stride, _storage_dtype(storage), requires_grad)
+
+
+def _as_parameter(data: object, requires_grad: object) -> TensorRef:
+    if type(data) is not TensorRef:
+        raise pickle.UnpicklingError("an nn.Parameter wraps something that is not a tensor")
+    if type(requires_grad) is not bool:
+        raise pickle.UnpicklingError("an nn.Parameter's requires_grad is not True or False")
+    return data.copy(requires_grad=requires_grad)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks):
+    return _as_parameter(data, requires_grad)
+
+
+def _rebuild_parameter_with_state(data, requires_grad, backward_hooks, state):
+    return _as_parameter(data, requires_grad)
+
+
+class _Parameter(_Inert):
+    """torch.nn.parameter.Parameter: a type, so that NEWOBJ works as well as REDUCE."""
+
+    __slots__ = ()
+
+    def __new__(cls, data: object = None, requires_grad: object = True) -> TensorRef:  # type: ignore[misc]
+        return _as_parameter(data, requires_grad)
+
+
+def _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad):
+    if type(dtype) is not DType:
+        raise pickle.UnpicklingError("a tensor's dtype is not a torch dtype")
+    if type(requires_grad) is not bool:
+        raise pickle.UnpicklingError("a tensor's requires_grad is not True or False")
+    return TensorRef(None, 0, _ints(size, "shape"), _ints(stride, "stride"), dtype,
+                     requires_grad, "meta")
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device,
+                              requires_grad):
+    if type(dtype) is not DType or type(device) is not str:
+        raise pickle.UnpicklingError("a wrapper tensor's dtype or device is malformed")
+    return TensorRef(None, 0, _ints(size, "shape"), _ints(stride, "stride"), dtype,
+                     bool(requires_grad), device)
+
+
+def _rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad):
+    if type(data) is not TensorRef or type(device) is not str:
+        raise pickle.UnpicklingError("a device tensor's data or device is malformed")
+    return data.copy(location=device, requires_grad=bool(requires_grad))
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    if type(args) is not tuple:
+        raise pickle.UnpicklingError("_rebuild_from_type_v2 got arguments that are no tuple")
+    return func(*args)
+
+
+def _size(*args: object) -> tuple[int, ...]:
+    if not args:
+        return ()
+    if type(args[0]) not in (tuple, list) or any(type(v) is not int for v in args[0]):
+        raise pickle.UnpicklingError("torch.Size holds something other than integers")
+    return tuple(args[0])
+
+
+def _device(kind: object, index: object = None) -> str:
+    if type(kind) is not str or (index is not None and type(index) is not int):
+        raise pickle.UnpicklingError("torch.device is given something other than a name")
+    return kind if index is None else f"{kind}:{index}"
+
+
+_CODECS = {"latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"}
+
+
+def _encode(obj: object, encoding: object = "utf-8", errors: object = "strict") -> bytes:
+    # _codecs.encode looks codecs up by name, which can import modules: allow torch's own.
+    if (type(obj) is not str or type(encoding) is not str or type(errors) is not str
+            or encoding.lower().replace("_", "-") not in _CODECS):
+        raise pickle.UnpicklingError("_codecs.encode is asked for something other than text")
+    return obj.encode(encoding, errors)
+
+
+def _bytearray(*args: object) -> bytearray:
+    if args and isinstance(args[0], int):
+        raise pickle.UnpicklingError(
+            f"the pickle asks bytearray() to allocate {args[0]:,} bytes")
+    return bytearray(*args)
+
+
+def _counter(*args: object, **kwargs: object) -> Counter:
+    # collections.Counter is a Python class a BUILD could modify: hand out instances only.
+    return Counter(*args, **kwargs)
+
+
+def _allowed_globals() -> dict[str, object]:
+    table: dict[str, object] = {
+        "collections.OrderedDict": OrderedDict,
+        "collections.Counter": _Factory(_counter),
+        "builtins.set": set,
+        "builtins.complex": complex,
+        "builtins.bytearray": _Factory(_bytearray),
+        "_codecs.encode": _Factory(_encode),
+        "torch.Size": _Factory(_size),
+        "torch.device": _Factory(_device),
+        "torch.nn.parameter.Parameter": _Parameter,
+        "torch._tensor._rebuild_from_type_v2": _Factory(_rebuild_from_type_v2),
+        "torch.storage.UntypedStorage": UNTYPED_STORAGE,
+    }
+    for fn in (_rebuild_tensor, _rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_qtensor,
+               _rebuild_parameter, _rebuild_parameter_with_state, _rebuild_meta_tensor_no_storage,
+               _rebuild_wrapper_subclass, _rebuild_device_tensor_from_cpu_tensor):
+        table[f"torch._utils.{fn.__name__}"] = _Factory(fn)
+    for name, dtype in DTYPES.items():
+        table[f"torch.{name}"] = dtype
+    for name, dtype in (_STORAGE_DTYPES | _QUANTIZED_STORAGE_DTYPES).items():
+        table[f"torch.{name}"] = StorageType(name, DTYPES[dtype])
+    for name, dtype in _STORAGE_DTYPES.items():
+        if not name.startswith("Complex"):
+            table[f"torch.cuda.{name}"] = StorageType(name, DTYPES[dtype])
+    # Allowed by torch but nothing we read metadata from: inert, and not unsafe.
+    kinds = ("BFloat16", "Byte", "Char", "Double", "Float", "Half", "Int", "Long", "Short")
+    opaque = ["torch.Tensor", "torch.storage.TypedStorage", "torch.serialization._get_layout",
+              "torch._utils._rebuild_sparse_tensor", "torch._utils._rebuild_nested_tensor",
+              "torch._utils._rebuild_device_tensor_from_numpy"]
+    opaque += [f"torch.{q}" for q in ("per_tensor_affine", "per_tensor_symmetric",
+                                      "per_channel_affine", "per_channel_symmetric",
+                                      "per_channel_affine_float_qparams")]
+    for module in ("torch", "torch.cuda"):
+        opaque += [f"{module}.{k}Tensor" for k in (*kinds, "Bool")]
+    for module in ("torch.sparse", "torch.cuda.sparse"):
+        opaque += [f"{module}.{k}Tensor" for k in kinds]
+    for name in opaque:
+        table[name] = _stub_class(name, unsafe=False)
+    return table
+
+
+ALLOWED_GLOBALS = _allowed_globals()
+# (module, name) as a pickle writes them -> (full name, object), for allowed globals only: the
+# old names that map to them (`__builtin__ set`) are few, so this stays small.
+_ALLOWED_BY_RAW_NAME = {tuple(full.rsplit(".", 1)): (full, obj)
+                        for full, obj in ALLOWED_GLOBALS.items()}
+# torch refuses these under weights_only, but they name a storage type and nothing else: the
+# file is reported unsafe, and its tensors are still read.
+_TOLERATED = {"torch.UntypedStorage": UNTYPED_STORAGE}
+
+
+# ---- the unpickler ---------------------------------------------------------------------------
+
+
+class _Input:
+    """A file for the C unpickler whose peek() hands over the whole pickle at once: without
+    peek it calls read() once per opcode, three times slower."""
+
+    __slots__ = ("_data", "_pos")
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._pos = data, 0
+
+    def peek(self, n: int = 0) -> bytes:
+        return self._data[self._pos:]
+
+    def read(self, n: int = -1) -> bytes:
+        start = self._pos
+        self._pos = len(self._data) if n < 0 else min(len(self._data), start + n)
+        return self._data[start:self._pos]
+
+    def readinto(self, buffer: memoryview) -> int:
+        chunk = self.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def readline(self) -> bytes:
+        start = self._pos
+        end = self._data.find(b"\n", start)
+        self._pos = len(self._data) if end < 0 else end + 1
+        return self._data[start:self._pos]
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, legacy: bool) -> None:
+        super().__init__(_Input(data), encoding="utf-8")
+        self.legacy = legacy
+        self.pid_fields = 6 if legacy else 5
+        self.found: dict[tuple[str, str], tuple[str, object]] = {}  # unsafe, this pickle only
+        self.names: dict[str, None] = {}  # ordered sets
+        self.unsafe: dict[str, None] = {}
+        self.storages: dict[str, StorageRef] = {}  # views too, under their own keys
+
+    def find_class(self, module: str, name: str) -> object:
+        hit = _ALLOWED_BY_RAW_NAME.get((module, name))
+        if hit is None:
+            hit = self._unknown(module, name)
+        full, obj = hit
+        self.names[full] = None
+        return obj
+
+    def _unknown(self, module: str, name: str) -> tuple[str, object]:
+        key = (module, name)
+        hit = self.found.get(key)
+        if hit is not None:
+            return hit
+        if key in _compat_pickle.NAME_MAPPING:  # protocol 2 writes __builtin__.set
+            module, name = _compat_pickle.NAME_MAPPING[key]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        full = f"{module}.{name}"
+        obj = ALLOWED_GLOBALS.get(full)
+        if obj is not None:  # allowed under an old name: remembered for every later file
+            _ALLOWED_BY_RAW_NAME[key] = (full, obj)
+            return full, obj
+        if len(self.found) >= MAX_GLOBALS:
+            raise pickle.UnpicklingError(f"the pickle names more than {MAX_GLOBALS:,} globals")
+        self.unsafe[full] = None
+        hit = self.found[key] = (full, _TOLERATED.get(full) or _stub_class(full, unsafe=True))
+        return hit
+
+    def persistent_load(self, pid: object) -> StorageRef:
+        if type(pid) is not tuple or not pid or (pid[0] != "storage" and pid[0] != b"storage"):
+            raise pickle.UnpicklingError(
+                "the pickle refers to an external object that is not a torch storage")
+        if len(pid) != self.pid_fields:
+            raise pickle.UnpicklingError(
+                f"a storage reference has {len(pid)} fields instead of {self.pid_fields}")
+        stype, key, location, numel = pid[1], pid[2], pid[3], pid[4]
+        if type(key) is not str or type(location) is not str:  # py2-era files hold bytes
+            key, location = _text(key), _text(location)
+        root = self.storages.get(key)  # type: ignore[arg-type]
+        if root is None:
+            if type(stype) is not StorageType:
+                raise pickle.UnpicklingError("a storage reference names no torch storage type")
+            if key is None or location is None or type(numel) is not int or numel < 0:
+                raise pickle.UnpicklingError(
+                    "a storage reference has a malformed key, location or size")
+            root = self.storages[key] = StorageRef(key, stype, location, numel)
+        # like torch, the first reference to a key decides; later ones reuse it
+        return root if not self.legacy or pid[5] is None else self._view(root, pid[5], stype)
+
+    def _view(self, root: StorageRef, view: object, stype: object) -> StorageRef:
+        if type(stype) is not StorageType or type(view) is not tuple or len(view) != 3:
+            raise pickle.UnpicklingError("a storage view is malformed")
+        key, offset, size = _text(view[0]), view[1], view[2]
+        if key is None or type(offset) is not int or type(size) is not int or min(offset, size) < 0:
+            raise pickle.UnpicklingError("a storage view is malformed")
+        isz = stype.dtype.itemsize
+        if (offset + size) * isz > root.nbytes:
+            raise pickle.UnpicklingError(
+                f"storage view '{key}' runs past the end of storage '{root.key}'")
+        ref = self.storages.get(key)
+        if ref is None:
+            ref = self.storages[key] = StorageRef(key, stype, root.location, size, root.root,
+                                                  root.root_offset + offset * isz)
+        return ref
+
+
+def _text(value: object) -> str | None:
+    """A key or tag as text: py2-era pickles store them as bytes, torch writes str."""
+    if type(value) is str:
+        return value
+    if type(value) is bytes:
+        return value.decode("ascii", "replace")
+    if type(value) is int:
+        return str(value)
+    return None
+
+
+@dataclass
+class Unpickled:
+    obj: Any
+    globals: list[str] = field(default_factory=list)  # in order of first appearance
+    unsafe_globals: list[str] = field(default_factory=list)
+    storages: dict[str, StorageRef] = field(default_factory=dict)  # by key; views have root != key
+    end: int = 0  # offset just past this pickle's STOP in the data given
+
+
+def load_restricted(data: bytes | bytearray | memoryview | BinaryIO, offset: int = 0, *,
+                    legacy: bool = False) -> Unpickled:
+    """Unpickle the one pickle at `offset` of `data` without importing or running anything.
+
+    `legacy` selects torch's non-zip storage references (with view metadata). A file-like
+    `data` is read from its position and left just past the pickle. Raises UnpickleError.
+    """
+    stream = None
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        stream, start = data, data.tell()
+        data = data.read(MAX_PICKLE_BYTES + 1)
+    data = bytes(data)
+    try:
+        end = check_stream(data, offset, MAX_PICKLE_BYTES)
+    except StreamError as exc:
+        if exc.truncated and len(data) - offset > MAX_PICKLE_BYTES:
+            raise UnpickleError(f"the pickle runs past the {MAX_PICKLE_BYTES // 2**20} MiB "
+                                "cachedoctor unpickles") from None
+        raise UnpickleError(str(exc), truncated=exc.truncated) from None
+    unpickler = _RestrictedUnpickler(data[offset:end] if offset or end < len(data) else data,
+                                     legacy)
+    try:
+        obj = unpickler.load()
+    except Exception as exc:  # whatever a malformed stream makes the C unpickler or us raise
+        raise UnpickleError(_describe(exc), list(unpickler.names), list(unpickler.unsafe)) from None
+    if stream is not None:
+        stream.seek(start + end)
+    return Unpickled(obj, list(unpickler.names), list(unpickler.unsafe), unpickler.storages, end)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, MemoryError):
+        return "the pickle asks for more memory than there is"
+    if isinstance(exc, RecursionError):
+        return "the pickle nests objects too deeply to compare"
+    text = str(exc) or type(exc).__name__
+    if len(text) > 200:
+        text = text[:200] + "..."
+    if isinstance(exc, pickle.UnpicklingError):
+        return text
+    return f"the pickle is malformed ({type(exc).__name__}: {text})"
+
+
+# ---- reading the result -----------------------------------------------------------------------
+
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None), complex, DType, StorageRef})
+
+
+def walk_tensors(obj: object) -> Iterator[tuple[tuple[str | int, ...], TensorRef]]:
+    """Each tensor in `obj` with its path, depth first in container order.
+
+    Iterative and cycle-safe: a container is entered once even if it appears at many places
+    or inside itself. Raises UnpickleError past MAX_WALK_DEPTH levels, MAX_WALK_ITEMS items or
+    MAX_TENSORS tensors; only a hostile file gets there.
+    """
+    if type(obj) is TensorRef:  # the commonest file: one bare latent
+        yield (), obj
+        return
+    # A path is a linked list (parent_link, key) until a tensor is found: building tuples
+    # for every container entry would cost depth x entries.
+    stack: list[tuple[object, object, int]] = [(obj, None, 0)]
+    seen: set[int] = set()
+    items = tensors = 0
+    while stack:
+        value, link, depth = stack.pop()
+        kind = type(value)
+        if kind is TensorRef:
+            tensors += 1
+            if tensors > MAX_TENSORS:
+                raise UnpickleError(f"the file holds more than {MAX_TENSORS:,} tensors")
+            yield _path(link), value
+            continue
+        if kind in _SCALARS or id(value) in seen:
+            continue
+        if isinstance(value, dict):
+            children = list(value.items())
+        elif kind is list or kind is tuple or isinstance(value, (list, tuple, set, frozenset)):
+            children = list(enumerate(value))
+        elif isinstance(value, Stub):
+            children = list(value.children())
+        else:
+            continue
+        seen.add(id(value))
+        if depth >= MAX_WALK_DEPTH:
+            raise UnpickleError(f"the object nests containers more than {MAX_WALK_DEPTH} deep")
+        items += len(children)
+        if items > MAX_WALK_ITEMS:
+            raise UnpickleError(f"the object holds more than {MAX_WALK_ITEMS:,} items")
+        for key, child in reversed(children):
+            if type(child) not in _SCALARS:
+                stack.append((child, (link, key), depth + 1))
+
+
+def _path(link: object) -> tuple[str | int, ...]:
+    keys = []
+    while link is not None:
+        link, key = link  # type: ignore[misc]
+        keys.append(key if type(key) in (str, int) else _key_text(key))
+    return tuple(reversed(keys))
+
+
+def _key_text(key: object) -> str:
+    if isinstance(key, (bytes, float, bool, type(None))):
+        return repr(key)[:100]
+    return f"<{type(key).__name__}>"
+
+
+def root_kind(obj: object) -> str:
+    """The saved object's type as FileMeta.root names it."""
+    if type(obj) is TensorRef:
+        return "tensor"
+    if isinstance(obj, dict):
+        return "dict"
+    if isinstance(obj, list):
+        return "list"
+    if isinstance(obj, tuple):
+        return "tuple"
+    return "other"
+
+
+__all__ = [
+    "ALLOWED_GLOBALS", "DTYPES", "MAX_PICKLE_BYTES", "DType", "StorageRef", "StorageType", "Stub",
+    "TensorRef", "UnpickleError", "Unpickled", "load_restricted", "root_kind", "walk_tensors",
+]
