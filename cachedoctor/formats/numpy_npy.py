@@ -26,13 +26,16 @@ MAGIC = b"\x93NUMPY"
 HEAD_READ = 256  # a numpy 2 header is 128 bytes unless the dtype is structured
 MAX_HEADER_CHARS = 10_000  # np.load's max_header_size unless allow_pickle=True
 MAX_REMEMBERED = 4096  # distinct headers kept parsed
+PICKLE_READ = MAX_PICKLE_BYTES + 1  # an object array's pickle bytes read: one past what is unpickled
 
 _NUMPY_FORM = re.compile(
-    r"\{'descr': '([^'\\]+)', 'fortran_order': (True|False), 'shape': \(([\d, ]*)\), \}[ \n]*\Z"
+    r"\{'descr': '([^'\\]+)', 'fortran_order': (True|False), 'shape': \(((?:\d+, )*\d+,?)?\), \}"
+    r"[ \n]*\Z"
 )
 _TYPESTR = re.compile(r"([<>|=]?)([biufcmMOSUVa])(\d*)(\[\w+\])?\Z")
 _PY2_LONG = re.compile(r"\b(\d+)L\b")  # numpy < 1.x wrote 64L: numpy still reads those headers
 _KEYS = frozenset(("descr", "fortran_order", "shape"))
+_LITERAL_ERRORS = (ValueError, SyntaxError, TypeError, MemoryError, RecursionError)
 
 # (kind, itemsize) -> torch's dtype name
 _TORCH = {
@@ -133,7 +136,7 @@ def _parse(raw: bytes) -> NpyHeader:
     m = _NUMPY_FORM.match(text)
     if m is not None:
         descr, fortran = m[1], m[2] == "True"
-        shape = tuple(map(int, m[3].replace(",", " ").split()))
+        shape = tuple(map(int, (m[3] or "").replace(",", " ").split()))
         return _header(descr, _typestr(descr), shape, fortran, end)
     return _parse_literal(text, raw[6], end)
 
@@ -146,12 +149,12 @@ def _header(descr: str, dtype: Dtype, shape: tuple[int, ...], fortran: bool, end
 def _parse_literal(text: str, major: int, end: int) -> NpyHeader:
     try:
         d = _literal(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
+    except _LITERAL_ERRORS as exc:
         if major > 2 or not _PY2_LONG.search(text):
             raise NpyError(f"header is no Python literal: {exc}") from None
         try:
             d = _literal(_PY2_LONG.sub(r"\1", text))
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc2:
+        except _LITERAL_ERRORS as exc2:
             raise NpyError(f"header is no Python literal: {exc2}") from None
     if not isinstance(d, dict):
         raise NpyError(f"Header is not a dictionary: {text.strip()[:80]!r}")
@@ -282,12 +285,13 @@ def pickle_globals(data: bytes, offset: int) -> tuple[tuple[str, ...], str | Non
     """Globals the object array's pickle at `offset` names, and why it is broken if it is.
 
     All of them are unsafe: np.load refuses any object array without allow_pickle=True.
+    `data` need not hold more than PICKLE_READ bytes past `offset`: the unpickler stops there.
     """
     try:
         found = load_restricted(data, offset)
     except UnpickleError as exc:  # still report what a pickle named before it broke
         return tuple(dict.fromkeys((*exc.globals, *exc.unsafe_globals))), (
-            f"the object array's pickle is damaged: {exc}"
+            f"object array pickle: {exc}"
         )
     return tuple(dict.fromkeys((*found.globals, *found.unsafe_globals))), None
 
@@ -303,18 +307,12 @@ def read(src: Source, path: str, deep: bool) -> FileMeta:
     except NpyError as exc:
         return FileMeta(path, src.size, NPY, errors=(f"npy header: {exc}",))
     data_bytes = src.size - header.data_offset
-    errors, globals_ = [], ()
     if header.dtype.has_object:
-        if data_bytes > MAX_PICKLE_BYTES:
-            errors.append(f"object array pickle of {data_bytes:,} bytes is too large to scan")
-        else:
-            globals_, error = pickle_globals(src.pread(header.data_offset, data_bytes), 0)
-            errors += [error] if error else []
+        globals_, error = pickle_globals(src.pread(header.data_offset, PICKLE_READ), 0)
     else:
-        error = size_error(header, data_bytes)
-        errors += [error] if error else []
+        globals_, error = (), size_error(header, data_bytes)
     nonfinite = ()
-    if deep and not errors and header.dtype.name in FLOAT_DTYPES:
+    if deep and not error and header.dtype.name in FLOAT_DTYPES:
         count = count_nonfinite_at(
             src, header.data_offset, header.nbytes, header.dtype.name, header.dtype.big_endian
         )
@@ -328,7 +326,7 @@ def read(src: Source, path: str, deep: bool) -> FileMeta:
         tensors=(tensor_meta(header, (), os.path.basename(path), storage),),
         globals=globals_,
         unsafe_globals=globals_,
-        errors=tuple(errors),
+        errors=(error,) if error else (),
         nonfinite=nonfinite,
         notes=tuple(dtype_notes(header, "the array")),
         deep=deep,

@@ -21,15 +21,15 @@ from cachedoctor.formats.zipdir import ZipDirectory, ZipEntry, ZipError, read_en
 class _Member:
     """What one member contributes to the file's FileMeta."""
 
-    __slots__ = ("crc_error", "errors", "globals", "nonfinite", "notes", "tensor")
+    __slots__ = ("crc_error", "error", "globals", "nonfinite", "notes", "tensor")
 
     def __init__(self) -> None:
         self.tensor: TensorMeta | None = None
-        self.errors: list[str] = []
+        self.error: str | None = None
         self.notes: list[str] = []
         self.globals: tuple[str, ...] = ()
         self.crc_error: str | None = None
-        self.nonfinite = 0
+        self.nonfinite = 0  # NaN/Inf among the tensor's values (--deep)
 
 
 def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta:
@@ -42,15 +42,16 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
             notes.append(f"member '{entry.name}' appears twice: numpy reads the last one")
         seen.add(entry.name)
         member = _read_member(src, entry, deep)
-        errors += member.errors
         notes += member.notes
         globals_.update(dict.fromkeys(member.globals))
-        if member.tensor is not None:
-            tensors.append(member.tensor)
+        if member.error:
+            errors.append(member.error)
         if member.crc_error:
             crc_errors.append(member.crc_error)
-        if member.nonfinite:
-            nonfinite.append(((entry.name.removesuffix(".npy"),), member.nonfinite))
+        if member.tensor is not None:
+            tensors.append(member.tensor)
+            if member.nonfinite:
+                nonfinite.append((member.tensor.path, member.nonfinite))
     if directory.trailing_bytes:
         notes.append(f"{directory.trailing_bytes:,} bytes after the zip end record")
     found = tuple(globals_)
@@ -74,34 +75,31 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
     member = _Member()
     name = entry.name
     if not name.endswith(".npy"):
-        member.errors.append(f"member '{name}' is not an .npy array (np.savez writes only those)")
+        member.error = f"member '{name}' is not an .npy array (np.savez writes only those)"
         return member
     key = name[:-4]
     whole = _read_whole(src, entry, member) if deep else None
     try:
         data = whole if whole is not None else _read_head(src, entry)
         header = npy.parse_header(data)
-        size = entry.size - header.data_offset
-        if header.dtype.has_object and whole is None and size <= npy.MAX_PICKLE_BYTES:
-            whole = read_entry(src, entry)
-    except npy.NpyError as exc:
-        member.errors.append(f"member '{name}': {exc}")
-        return member
-    except ZipError as exc:
-        member.errors.append(f"member '{name}': {exc}")
+        if header.dtype.has_object and whole is None:
+            data = read_entry(src, entry, header.data_offset + npy.PICKLE_READ)
+    except (npy.NpyError, ZipError) as exc:
+        member.error = f"member '{name}': {exc}"
         return member
     except zlib.error as exc:
-        member.errors.append(f"member '{name}': deflate stream is damaged ({exc})")
+        member.error = f"member '{name}': deflate stream is damaged ({exc})"
         return member
+    size = entry.size - header.data_offset
     if header.dtype.has_object:
-        _scan_object_array(entry, header, whole, member)
+        member.globals, error = npy.pickle_globals(data, header.data_offset)
     else:
         error = npy.size_error(header, size)
-        if error:
-            member.errors.append(f"member '{name}': {error}")
-        elif whole is not None and header.dtype.name in FLOAT_DTYPES:
+        if not error and whole is not None and header.dtype.name in FLOAT_DTYPES:
             values = memoryview(whole)[header.data_offset : header.data_offset + header.nbytes]
             member.nonfinite = count_nonfinite(values, header.dtype.name, header.dtype.big_endian)
+    if error:
+        member.error = f"member '{name}': {error}"
     member.notes += npy.dtype_notes(header, f"'{key}'")
     storage = None if header.dtype.has_object else size
     member.tensor = npy.tensor_meta(header, (key,), name, storage)
@@ -136,17 +134,3 @@ def _read_whole(src: Source, entry: ZipEntry, member: _Member) -> bytes | None:
             f"CRC32 mismatch in '{entry.name}' (recorded 0x{entry.crc:08x}, actual 0x{actual:08x})"
         )
     return data
-
-
-def _scan_object_array(
-    entry: ZipEntry, header: npy.NpyHeader, data: bytes | None, member: _Member
-) -> None:
-    if data is None:
-        size = entry.size - header.data_offset
-        member.errors.append(
-            f"member '{entry.name}': object array pickle of {size:,} bytes is too large to scan"
-        )
-        return
-    member.globals, error = npy.pickle_globals(data, header.data_offset)
-    if error:
-        member.errors.append(f"member '{entry.name}': {error}")

@@ -116,16 +116,14 @@ def read(src: Source, path: str, deep: bool) -> FileMeta:
             ))
     except _Invalid as exc:
         return _meta(src, path, [], metadata, notes, error=str(exc))
-    nonfinite = ()
-    if deep:
-        start = N_LEN + n
-        counts = [
-            (t.name, count_nonfinite_at(src, start + t.begin, t.end - t.begin, DTYPES[t.dtype][0]))
-            for t in tensors
-            if DTYPES[t.dtype][0] in FLOAT_DTYPES
-        ]
-        nonfinite = tuple(((name,), c) for name, c in counts if c)
-    return _meta(src, path, tensors, metadata, notes, nonfinite=nonfinite, deep=deep)
+    nonfinite = []
+    for t in tensors if deep else ():
+        dtype = DTYPES[t.dtype][0]
+        if dtype in FLOAT_DTYPES:
+            count = count_nonfinite_at(src, N_LEN + n + t.begin, t.end - t.begin, dtype)
+            if count:
+                nonfinite.append(((t.name,), count))
+    return _meta(src, path, tensors, metadata, notes, nonfinite=tuple(nonfinite), deep=deep)
 
 
 def _meta(src: Source, path: str, tensors: list[_Tensor], metadata: dict[str, str],
@@ -272,7 +270,7 @@ def _sizes(name: str, field: str, value: object, length: int | None) -> list[int
                           f"(tensor `{name}` {field})")
     for item in value:
         if type(item) is not int or not 0 <= item <= U64_MAX:
-            raise _json_error(f"invalid value: {json.dumps(item)}, expected usize "
+            raise _json_error(f"invalid value: {_kind(item)}, expected usize "
                               f"(tensor `{name}` {field})")
     return value
 
@@ -337,7 +335,10 @@ def _kind(value: object) -> str:
         return "map"
     if type(value) is list:
         return "sequence"
-    return "null" if value is None else f"{type(value).__name__} {json.dumps(value)}"
+    if value is None:
+        return "null"
+    shown = json.dumps(value)
+    return f"{type(value).__name__} {shown if len(shown) <= 40 else shown[:37] + '...'}"
 
 
 def _tensor_meta(t: _Tensor, notes: list[str]) -> TensorMeta:
