@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from math import prod
 
@@ -171,7 +172,9 @@ def _parse_literal(text: str, major: int, end: int) -> NpyHeader:
 
 
 def _literal(text: str) -> object:
-    return ast.literal_eval(text.lstrip(" \t"))
+    with warnings.catch_warnings():  # a damaged header's "\ " would warn on the scan's stderr
+        warnings.simplefilter("ignore")
+        return ast.literal_eval(text.lstrip(" \t"))
 
 
 def _resolve(descr: object) -> Dtype:

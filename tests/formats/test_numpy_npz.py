@@ -110,6 +110,23 @@ def test_garbage_and_zeros_never_raise():
     assert read_bytes(b"", "e.npz").format == "empty"
 
 
+def test_damaged_bytes_anywhere_never_raise_nor_warn(recwarn):
+    rng = random.Random(13)
+    blobs = []
+    for save in (np.savez, np.savez_compressed):
+        buf = io.BytesIO()
+        save(buf, latents=np.linspace(0, 1, 256, dtype=np.float32).reshape(4, 8, 8),
+             o=np.array([1, "a"], dtype=object), original_size=np.array([64, 64]))
+        blobs.append(buf.getvalue())
+    for i in range(2000):
+        blob = bytearray(rng.choice(blobs))
+        for _ in range(rng.randint(1, 4)):
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        meta = read_bytes(bytes(blob), "x.npz", deep=bool(i % 2))
+        assert meta.format == NPZ
+    assert not recwarn.list  # literal_eval of a damaged header warns about bad escapes
+
+
 def test_garbage_members_are_errors_naming_the_member():
     rng = random.Random(12)
     for i in range(300):
