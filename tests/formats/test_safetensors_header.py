@@ -241,7 +241,8 @@ def _assert_matches_library(path: Path, metadata: dict | None) -> None:
             assert t.stride == torch_tensor.stride()
             assert t.itemsize == torch_tensor.element_size()
             assert (t.storage_key, t.storage_offset, t.location) == (name, 0, "cpu")
-            if sliced.get_dtype() != "F4":
+            assert sliced.get_dtype() == TORCH_DTYPES[torch_tensor.dtype]
+            if sliced.get_dtype() != "F4":  # the header counts 4-bit values, torch pairs them
                 assert list(t.shape) == sliced.get_shape()
     if metadata is not None:
         assert dict(meta.metadata) == metadata
