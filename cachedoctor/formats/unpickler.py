@@ -239,11 +239,19 @@ def _kind_of(v: object) -> str:
     return "a negative number" if type(v) is int else f"a {type(v).__name__}, not an integer"
 
 
+# torch.Tensor, and what a tensor becomes when it is built from a global we do not interpret
+# (its storage pickled by torch.storage._load_from_bytes, say): that global is reported
+# unsafe, and the tensor has no metadata to give, which is no error in the file.
+_OpaqueTensor = _stub_class("torch.Tensor", unsafe=False)
+
+
 def _tensor(storage: object, storage_offset: object, size: object, stride: object,
-            dtype: object, requires_grad: object) -> TensorRef:
-    if type(storage) is not StorageRef:
-        raise pickle.UnpicklingError("a tensor's storage is not a torch storage reference")
-    if type(dtype) is not DType:
+            dtype: object, requires_grad: object) -> TensorRef | Stub:
+    if type(storage) is not StorageRef or type(dtype) is not DType:
+        if isinstance(storage, Stub) or isinstance(dtype, Stub):
+            return _OpaqueTensor(storage, storage_offset, size, stride, dtype)
+        if type(storage) is not StorageRef:
+            raise pickle.UnpicklingError("a tensor's storage is not a torch storage reference")
         raise pickle.UnpicklingError("a tensor's dtype is not a torch dtype")
     if type(storage_offset) is not int or storage_offset < 0:
         raise pickle.UnpicklingError("a tensor's storage offset is not a non-negative integer")
@@ -257,10 +265,8 @@ def _tensor(storage: object, storage_offset: object, size: object, stride: objec
                      storage.location)
 
 
-def _storage_dtype(storage: object) -> DType:
-    if type(storage) is not StorageRef:
-        raise pickle.UnpicklingError("a tensor's storage is not a torch storage reference")
-    return DTYPES[storage.dtype]
+def _storage_dtype(storage: object) -> DType | None:
+    return DTYPES[storage.dtype] if type(storage) is StorageRef else None
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride):
@@ -282,7 +288,9 @@ def _rebuild_qtensor(storage, storage_offset, size, stride, quantizer_params, re
     return _tensor(storage, storage_offset, size, stride, _storage_dtype(storage), requires_grad)
 
 
-def _as_parameter(data: object, requires_grad: object) -> TensorRef:
+def _as_parameter(data: object, requires_grad: object) -> TensorRef | Stub:
+    if isinstance(data, Stub):
+        return data
     if type(data) is not TensorRef:
         raise pickle.UnpicklingError("an nn.Parameter wraps something that is not a tensor")
     if type(requires_grad) is not bool:
@@ -308,6 +316,8 @@ class _Parameter(_Inert):
 
 
 def _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad):
+    if isinstance(dtype, Stub):
+        return _OpaqueTensor(dtype, size, stride)
     if type(dtype) is not DType:
         raise pickle.UnpicklingError("a tensor's dtype is not a torch dtype")
     if type(requires_grad) is not bool:
@@ -318,6 +328,8 @@ def _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad):
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device,
                               requires_grad):
+    if isinstance(dtype, Stub):
+        return _OpaqueTensor(dtype, size, stride)
     if type(dtype) is not DType or type(device) is not str:
         raise pickle.UnpicklingError("a wrapper tensor's dtype or device is malformed")
     return TensorRef(None, 0, _ints(size, "shape"), _ints(stride, "stride"), dtype,
@@ -325,6 +337,8 @@ def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, 
 
 
 def _rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad):
+    if isinstance(data, Stub):
+        return data
     if type(data) is not TensorRef or type(device) is not str:
         raise pickle.UnpicklingError("a device tensor's data or device is malformed")
     return data.copy(location=device, requires_grad=bool(requires_grad))
@@ -396,11 +410,11 @@ def _allowed_globals() -> dict[str, object]:
     for name, dtype in (_STORAGE_DTYPES | _QUANTIZED_STORAGE_DTYPES).items():
         table[f"torch.{name}"] = StorageType(name, DTYPES[dtype])
     for name, dtype in _STORAGE_DTYPES.items():
-        if not name.startswith("Complex"):
-            table[f"torch.cuda.{name}"] = StorageType(name, DTYPES[dtype])
+        table[f"torch.cuda.{name}"] = StorageType(name, DTYPES[dtype])
     # Allowed by torch but nothing we read metadata from: inert, and not unsafe.
     kinds = ("BFloat16", "Byte", "Char", "Double", "Float", "Half", "Int", "Long", "Short")
-    opaque = ["torch.Tensor", "torch.storage.TypedStorage", "torch.serialization._get_layout",
+    table["torch.Tensor"] = _OpaqueTensor
+    opaque = ["torch.storage.TypedStorage", "torch.serialization._get_layout",
               "torch._utils._rebuild_sparse_tensor", "torch._utils._rebuild_nested_tensor",
               "torch._utils._rebuild_device_tensor_from_numpy"]
     opaque += [f"torch.{q}" for q in ("per_tensor_affine", "per_tensor_symmetric",
