@@ -167,7 +167,8 @@ def _check_tuple_depth(data: bytes, start: int, stop: int) -> None:
         raise StreamError(f"the pickle nests tuples more than {MAX_TUPLE_DEPTH:,} deep")
 
 
-# How each opcode moves the stack, for _tuple_depth: (kind, pops below a mark or in all, pushes)
+# How each opcode moves the stack, for _tuple_depth: (kind, pops to a mark?, items popped
+# below the mark or in all, items pushed, argument size or None when it varies)
 _MARK, _TUPLE, _GET, _PUTS, _MEMOIZE, _DUP, _KEEP, _OTHER = range(8)
 _KINDS = {"MARK": _MARK, "TUPLE": _TUPLE, "TUPLE1": _TUPLE, "TUPLE2": _TUPLE, "TUPLE3": _TUPLE,
           "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET, "PUT": _PUTS, "BINPUT": _PUTS,

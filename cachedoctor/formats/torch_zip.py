@@ -54,7 +54,7 @@ class _Reader:
             return self._meta()
         first = entries[0].name
         slash = first.find("/")
-        if slash <= 0:
+        if slash < 0:
             errors.append(f"the first entry '{first}' is not in a directory, so torch.load finds "
                           f"no data.pkl (file in archive is not in a subdirectory: {first})")
             return self._meta()
@@ -84,7 +84,9 @@ class _Reader:
                 errors.append(
                     f"storage {prefix}data/{key} holds {record.size:,} bytes where data.pkl "
                     f"expects {ref.nbytes:,} ({ref.numel:,} x {ref.dtype}) (torch.load: record "
-                    f"size {record.size} mismatch with dst size {ref.nbytes})")
+                    f"size ({record.size} bytes) does not match expected size ({ref.nbytes} "
+                    f"bytes ...); older torch: record size {record.size} mismatch with dst size "
+                    f"{ref.nbytes})")
         tensors, tensor_errors = tensor_metas(unpickled.obj, stored)
         errors.extend(tensor_errors)
         nonfinite: tuple = ()
@@ -107,7 +109,7 @@ class _Reader:
         record = records.get(".data/version") or records.get("version")
         if record is None:
             self.errors.append(f"the archive has no {prefix}version record, which torch.load "
-                               "requires (failed finding central directory record 'version')")
+                               'requires (Expected hasRecord("version") to be true)')
             return
         text = read_entry(self.src, record, 32).strip()
         if not text.isdigit() or int(text) < 1:

@@ -266,7 +266,7 @@ def test_no_storage_record():
 def test_storage_record_of_the_wrong_size():
     data = rezip(saved(torch.ones(4)),
                  lambda n, b: (n, b[:8]) if n.endswith("data/0") else (n, b))
-    assert "record size 8 mismatch with dst size 16" in _errors(data)[0]
+    assert "record size (8 bytes) does not match expected size (16 bytes" in _errors(data)[0]
 
 
 def test_tensor_past_its_storage():
