@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from cachedoctor.formats.meta import PICKLE, TORCH_LEGACY, FileMeta
 from cachedoctor.formats.source import Source
-from cachedoctor.formats.torch_tensors import nonfinite_counts, tensor_metas
+from cachedoctor.formats.torch_tensors import clip, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
     MAX_PICKLE_BYTES,
     StorageRef,
@@ -127,13 +127,13 @@ class _Reader:
         for ref in storages.values():
             if ref.untyped:
                 self.errors.append(
-                    f"storage '{ref.key}' is an UntypedStorage, which torch.load cannot read "
+                    f"storage '{clip(ref.key)}' is an UntypedStorage, which torch.load cannot read "
                     "from a legacy file (AttributeError: type object "
                     "'torch.storage.UntypedStorage' has no attribute 'dtype')")
                 break
         missing = [k for k, ref in storages.items() if ref.root == k and k not in keys.obj]
         if missing:
-            self.errors.append(f"the saved object uses storage '{missing[0]}', which the "
+            self.errors.append(f"the saved object uses storage '{clip(missing[0])}', which the "
                                "storage-key list omits: the file holds no bytes for it")
         found = self._step_storages(keys.obj, keys.end, storages)
         data_at = {key: at for key, (at, _) in found.items()}
@@ -160,27 +160,27 @@ class _Reader:
         must end the file."""
         size, found = self.src.size, {}
         for key in keys:
-            ref = storages.get(key)
+            ref, name = storages.get(key), clip(key)
             if ref is None or ref.root != key:
                 self.errors.append(
-                    f"the storage-key list names '{key}', which the saved object never uses "
-                    f"(torch.load: storage key '{key}' not found in deserialized_objects)")
+                    f"the storage-key list names '{name}', which the saved object never uses "
+                    f"(torch.load: storage key '{name}' not found in deserialized_objects)")
                 return found
             head = self.src.pread(pos, 8)
             if len(head) < 8:
                 self.errors.append(
                     f"the file ends at {size:,} bytes, inside the element count of storage "
-                    f"'{key}' (torch.load: unexpected EOF, expected {8 - len(head)} more bytes. "
+                    f"'{name}' (torch.load: unexpected EOF, expected {8 - len(head)} more bytes. "
                     "The file might be corrupted.)")
                 return found
             count = int.from_bytes(head, "little", signed=True)
             if count < 0:
-                self.errors.append(f"storage '{key}' has a negative element count ({count:,})")
+                self.errors.append(f"storage '{name}' has a negative element count ({count:,})")
                 return found
             nbytes = count * ref.itemsize
             if nbytes != ref.nbytes:
                 self.errors.append(
-                    f"storage '{key}' holds {count:,} elements where the saved object expects "
+                    f"storage '{name}' holds {count:,} elements where the saved object expects "
                     f"{ref.numel:,} (torch.load: storage has wrong byte size: expected "
                     f"{ref.nbytes} got {nbytes})")
             found[key] = (pos + 8, nbytes)
@@ -188,7 +188,7 @@ class _Reader:
             if pos > size:
                 self.errors.append(
                     f"the file ends at {size:,} bytes, {pos - size:,} bytes short of the end of "
-                    f"storage '{key}' (torch.load: unexpected EOF, expected {pos - size} more "
+                    f"storage '{name}' (torch.load: unexpected EOF, expected {pos - size} more "
                     "bytes. The file might be corrupted.)")
                 del found[key]
                 return found

@@ -14,6 +14,11 @@ from cachedoctor.formats.unpickler import UnpickleError, walk_tensors
 Locate = Callable[[str], "tuple[Source, int] | None"]
 
 
+def clip(name: str, limit: int = 80) -> str:
+    """A name from the file, short enough for a message (a hostile file can make it huge)."""
+    return name if len(name) <= limit else f"{name[:limit]}... ({len(name):,} characters)"
+
+
 def tensor_metas(obj: object, stored: Mapping[str, int]) -> tuple[list[TensorMeta], list[str]]:
     """A TensorMeta per tensor in `obj`, and an error per tensor that reaches past the bytes
     stored for its storage (`stored`: bytes the file holds by storage key; a key it lacks has
@@ -52,7 +57,8 @@ def _reach(meta: TensorMeta) -> int:
 
 def _past_end_message(meta: TensorMeta) -> str:
     return (
-        f"tensor {meta.display_path} runs past the end of its storage '{meta.storage_key}': it "
+        f"tensor {clip(meta.display_path)} runs past the end of its storage "
+        f"'{clip(meta.storage_key)}': it "
         f"needs {_reach(meta):,} bytes, the file stores {meta.storage_bytes:,} (torch.load: "
         f"sizes {list(meta.shape)}, strides {list(meta.stride)}, storage offset "
         f"{meta.storage_offset} and itemsize {meta.itemsize} ... are out of bounds for storage "

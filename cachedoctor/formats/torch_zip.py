@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from cachedoctor.formats.meta import TORCH_ZIP, FileMeta
 from cachedoctor.formats.source import BytesSource, Source
-from cachedoctor.formats.torch_tensors import nonfinite_counts, tensor_metas
+from cachedoctor.formats.torch_tensors import clip, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
     MAX_PICKLE_BYTES,
     UnpickleError,
@@ -55,12 +55,13 @@ class _Reader:
         first = entries[0].name
         slash = first.find("/")
         if slash < 0:
-            errors.append(f"the first entry '{first}' is not in a directory, so torch.load finds "
-                          f"no data.pkl (file in archive is not in a subdirectory: {first})")
+            errors.append(f"the first entry '{clip(first)}' is not in a directory, so torch.load "
+                          "finds no data.pkl (file in archive is not in a subdirectory)")
             return self._meta()
         prefix = first[: slash + 1]
         cut = len(prefix)
         records = {e.name[cut:]: e for e in entries if e.name.startswith(prefix)}
+        prefix = clip(prefix)  # from here on, only for messages
         pkl = records.get("data.pkl")
         if pkl is None:
             errors.append(f"the archive has no {prefix}data.pkl, which holds the saved object "
@@ -74,15 +75,16 @@ class _Reader:
         stored: dict[str, int] = {}
         for key, ref in unpickled.storages.items():
             record = records.get(f"data/{key}")
+            name = clip(key)
             if record is None:
                 errors.append(
-                    f"data.pkl names storage '{key}' but the archive has no {prefix}data/{key} "
-                    f"(torch.load: failed locating file data/{key})")
+                    f"data.pkl names storage '{name}' but the archive has no {prefix}data/{name} "
+                    f"(torch.load: failed locating file data/{name})")
                 continue
             stored[key] = record.size
             if record.size != ref.nbytes:
                 errors.append(
-                    f"storage {prefix}data/{key} holds {record.size:,} bytes where data.pkl "
+                    f"storage {prefix}data/{name} holds {record.size:,} bytes where data.pkl "
                     f"expects {ref.nbytes:,} ({ref.numel:,} x {ref.dtype}) (torch.load: record "
                     f"size ({record.size} bytes) does not match expected size ({ref.nbytes} "
                     f"bytes ...); older torch: record size {record.size} mismatch with dst size "
@@ -113,7 +115,7 @@ class _Reader:
             return
         text = read_entry(self.src, record, 32).strip()
         if not text.isdigit() or int(text) < 1:
-            shown = text.decode("ascii", "replace")
+            shown = clip(text.decode("ascii", "replace"))
             self.errors.append(f"the version record holds '{shown}', not a format version")
 
     def _unpickle(self, pkl: ZipEntry):

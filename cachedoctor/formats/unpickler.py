@@ -669,8 +669,10 @@ def _path(link: object) -> tuple[str | int, ...]:
 
 
 def _key_text(key: object) -> str:
-    if isinstance(key, (bytes, float, bool, type(None))):
-        return repr(key)[:100]
+    if isinstance(key, bytes):
+        return repr(key[:80])
+    if isinstance(key, (float, bool, type(None))):
+        return repr(key)
     return f"<{type(key).__name__}>"
 
 
