@@ -69,7 +69,8 @@ def classify(name: str, parent: str = "") -> str:
     if METADATA_PATTERN.match(name):
         return METADATA
     if ext in CACHE_EXTENSIONS:
-        if TEXT_PATTERN.match(lower) or os.path.basename(parent) in TEXT_DIRS:
+        # OneTrainer keeps text embeds in <cache>/text/<sha>/variation-<n>/<i>.pt
+        if TEXT_PATTERN.match(lower) or TEXT_DIRS.intersection(parent.split(os.sep)[-3:]):
             return TEXT
         return LATENT
     return OTHER

@@ -18,7 +18,6 @@ from cachedoctor.checks import (
     unreadable_archive,
     unsafe_pickle,
 )
-
 from cachedoctor.rule import Rule
 
 RULES: dict[str, Rule] = {

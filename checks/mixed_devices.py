@@ -48,14 +48,16 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     per_dir: dict[str, Counter[str]] = defaultdict(Counter)
     off_cpu: dict[str, list[str]] = defaultdict(list)
     for s in view:
+        if len(s.locations) != 1:
+            continue  # a file mixed within itself is reported by check_file
         directory = os.path.dirname(s.path)
-        per_dir[directory][s.locations[0] if len(s.locations) == 1 else "mixed"] += 1
+        per_dir[directory][s.locations[0]] += 1
         if s.locations != ("cpu",) and len(off_cpu[directory]) < MAX_LISTED:
             off_cpu[directory].append(s.path)
     for directory, counts in sorted(per_dir.items()):
         if len(counts) < 2:
             continue
-        text = ", ".join(f"{loc} {n:,} files" for loc, n in counts.most_common())
+        text = ", ".join(f"{loc}: {n:,} file{'s' * (n != 1)}" for loc, n in counts.most_common())
         yield RULE.finding(directory, f"files saved from different devices: {text}", ctx,
                            locations=dict(counts), files=off_cpu[directory])
 

@@ -49,9 +49,11 @@ class FileSource:
             self._tail = self._read(self._tail_at, WINDOW)
 
     def _read(self, offset: int, n: int) -> bytes:
+        # lseek + read rather than pread: same cost here, and pyfakefs (our tests) fakes them
+        os.lseek(self._fd, offset, os.SEEK_SET)
         chunks, done = [], 0
         while done < n:
-            chunk = os.pread(self._fd, n - done, offset + done)
+            chunk = os.read(self._fd, n - done)
             if not chunk:
                 break
             chunks.append(chunk)

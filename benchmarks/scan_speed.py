@@ -1,0 +1,138 @@
+"""How fast `cachedoctor scan` reads a cache, against two baselines measured in the same run.
+
+Builds N latent files (default 20,000: 90% [4,64,64] fp16, 10% [16,128,128] fp16, bare tensors
+as SimpleTuner writes them, 1,000 per folder), warms the page cache, then times with 1 process
+and with every core:
+  - `cachedoctor scan` (the real CLI in a subprocess, start-up included),
+  - a loop of torch.load(map_location="cpu", weights_only=True) over the same files,
+  - a loop that only opens each file and reads its last 64 KiB (the I/O floor).
+Targets (issue #2): scan >= 6x the torch.load loop at the same core count, and within 3x of
+the read-tail loop. Also reports the scan's peak RSS for N and N/4 files: memory must not grow
+with the number of clean files.
+
+    python benchmarks/scan_speed.py [--files N] [--dir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+PER_DIR = 1000
+
+
+def build(root: str, n: int) -> list[str]:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for i in range(n):
+        folder = os.path.join(root, f"part{i // PER_DIR:03d}")
+        if i % PER_DIR == 0:
+            os.makedirs(folder, exist_ok=True)
+        shape = (16, 128, 128) if i % 10 == 9 else (4, 64, 64)
+        path = os.path.join(folder, f"{i:08d}.pt")
+        if not os.path.exists(path):
+            torch.save(torch.randn(shape, generator=gen).half(), path)
+        paths.append(path)
+    return paths
+
+
+def _chunks(paths: list[str], jobs: int) -> list[list[str]]:
+    return [paths[i::jobs] for i in range(jobs)]
+
+
+def _torch_load(paths: list[str]) -> int:
+    import torch
+
+    for p in paths:
+        torch.load(p, map_location="cpu", weights_only=True)
+    return len(paths)
+
+
+def _read_tail(paths: list[str]) -> int:
+    for p in paths:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - 65536))
+            f.read(65536)
+    return len(paths)
+
+
+def timed_loop(fn, paths: list[str], jobs: int) -> float:
+    start = time.perf_counter()
+    if jobs == 1:
+        fn(paths)
+    else:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            pool.map(fn, _chunks(paths, jobs))
+    return time.perf_counter() - start
+
+
+def timed_scan(root: str, jobs: int) -> tuple[float, dict]:
+    cmd = [sys.executable, "-m", "cachedoctor", "scan", root, "--format", "json", "-j", str(jobs),
+           "--fail-on", "never"]
+    start = time.perf_counter()
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True).stdout
+    return time.perf_counter() - start, json.loads(out)
+
+
+def peak_rss_kib(root: str, jobs: int) -> int:
+    """Peak RSS (KiB) of the scan's main process, which is where memory could pile up."""
+    code = ("import resource, runpy, sys; sys.argv=['cachedoctor','scan',%r,'--format','json','-j','%d',"
+            "'--fail-on','never']\ntry: runpy.run_module('cachedoctor', run_name='__main__')\n"
+            "except SystemExit: pass\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code % (root, jobs)], capture_output=True, text=True)
+    return int(proc.stderr.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=20_000)
+    parser.add_argument("--dir", help="build (or reuse) the files here instead of a temp dir")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    args = parser.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="cachedoctor-bench-")
+    cores = len(os.sched_getaffinity(0))
+    try:
+        t0 = time.perf_counter()
+        paths = build(root, args.files)
+        total = sum(os.path.getsize(p) for p in paths)
+        print(f"{len(paths):,} files, {total / 1e9:.2f} GB in {root} (built in {time.perf_counter() - t0:.0f} s)")
+        _read_tail(paths)  # warm the page cache: every figure below is warm
+        rows = []
+        for jobs in sorted({1, cores}):
+            scan_s, report = timed_scan(root, jobs)
+            assert report["summary"]["files"] == len(paths), report["summary"]
+            load_s = timed_loop(_torch_load, paths, jobs)
+            tail_s = timed_loop(_read_tail, paths, jobs)
+            rows.append((jobs, scan_s, load_s, tail_s, report["summary"]["findings"]))
+        print(f"{'procs':>5} {'scan files/s':>13} {'torch.load/s':>13} {'read-tail/s':>12} "
+              f"{'scan vs load':>13} {'scan vs tail':>13}")
+        n = len(paths)
+        for jobs, scan_s, load_s, tail_s, counts in rows:
+            print(f"{jobs:>5} {n / scan_s:>13,.0f} {n / load_s:>13,.0f} {n / tail_s:>12,.0f} "
+                  f"{load_s / scan_s:>12.1f}x {scan_s / tail_s:>12.1f}x slower")
+            print(f"      findings on the clean cache: {counts}")
+        quarter = os.path.join(root, "part000")
+        small, full = peak_rss_kib(quarter, cores), peak_rss_kib(root, cores)
+        print(f"peak RSS of the scan process: {small / 1024:.0f} MiB for {min(n, PER_DIR):,} files, "
+              f"{full / 1024:.0f} MiB for {n:,} files")
+        ok_load = all(load_s / scan_s >= 6 for _, scan_s, load_s, _, _ in rows)
+        ok_tail = all(scan_s / tail_s <= 3 for _, scan_s, _, tail_s, _ in rows)
+        print(f"targets: >= 6x torch.load: {'met' if ok_load else 'MISSED'}; "
+              f"within 3x of read-tail: {'met' if ok_tail else 'MISSED'}")
+    finally:
+        if not args.dir and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

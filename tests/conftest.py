@@ -1,0 +1,44 @@
+"""Shared helpers: scan a path in-process, run the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.engine import scan
+from cachedoctor.findings import Report
+from cachedoctor.options import ScanOptions
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def scan_paths(*targets: os.PathLike | str, **options) -> Report:
+    options.setdefault("jobs", 1)
+    return scan([str(t) for t in targets], ScanOptions(**options))
+
+
+def by_code(report: Report, code: str) -> list:
+    return [f for f in report.findings if f.code == code]
+
+
+def codes(report: Report) -> set[str]:
+    return {f.code for f in report.findings}
+
+
+def run_cli(*args: str, cwd: os.PathLike | str | None = None, env: dict | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """The installed command, as a user runs it (python -m keeps it on this interpreter)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "cachedoctor", *args], capture_output=True,
+                          text=True, cwd=cwd, env=full_env, timeout=timeout)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    path = tmp_path / "cache"
+    path.mkdir()
+    return path

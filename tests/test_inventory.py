@@ -1,0 +1,98 @@
+"""The walk: roles from names, and every way a directory tree can be hostile."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.inventory import IMAGE, LATENT, METADATA, OTHER, TEMP, TEXT, classify, walk
+
+
+@pytest.mark.parametrize(
+    ("name", "parent", "role"),
+    [
+        ("3fa1e2" * 10 + "abcd.pt", "/c/vae", LATENT),
+        ("10f34c853ae35b374b489315e55183a4-flux.pt", "/c/text", TEXT),
+        ("img_0001_1024x0768_sdxl.npz", "/d/img", LATENT),
+        ("img_0001_te_outputs.npz", "/d/img", TEXT),
+        ("img_0001_flux_te.npz", "/d/img", TEXT),
+        ("img_0001_Zm9v.safetensors", "/d/img/_t_e_cache", TEXT),
+        ("img_0001_Zm9v.safetensors", "/d/img/_latent_cache", LATENT),
+        ("3.pt", "/w/cache/text/ab12/variation-0", TEXT),
+        ("aggregate.pt", "/w/cache/image/ab12/variation-0", METADATA),
+        ("aspect_ratio_bucket_indices_photos.json", "/d", METADATA),
+        ("tmpk2x9_a1b", "/c", TEMP),
+        (".3fa1.pt.tmp", "/c", TEMP),
+        ("3fa1.pt.tmp", "/c", TEMP),
+        ("3fa1.pt.lock", "/c", TEMP),
+        ("photo.JPG", "/c", IMAGE),
+        ("photo.txt", "/c", OTHER),
+    ],
+)
+def test_classify(name: str, parent: str, role: str) -> None:
+    assert classify(name, parent) == role
+
+
+def test_walk_finds_nested_files_and_skips_state_dir(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x.pt").write_bytes(b"x")
+    (tmp_path / "top.pt").write_bytes(b"")
+    (tmp_path / ".cachedoctor" / "quarantine").mkdir(parents=True)
+    (tmp_path / ".cachedoctor" / "quarantine" / "old.pt").write_bytes(b"x")
+    entries = {Path(e.path).name: e for e in walk(str(tmp_path), dataset="d")}
+    assert set(entries) == {"x.pt", "top.pt"}
+    assert entries["x.pt"].bucket == os.path.join("a", "b")
+    assert entries["top.pt"].bucket is None
+    assert all(e.dataset == "d" and e.error is None for e in entries.values())
+
+
+def test_symlink_loop_to_ancestor_is_reported_once(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f.pt").write_bytes(b"x")
+    os.symlink(tmp_path, tmp_path / "sub" / "up")
+    entries = list(walk(str(tmp_path)))
+    errors = [e for e in entries if e.error]
+    assert [Path(e.path).name for e in errors] == ["up"]
+    assert "symlink loop" in errors[0].error
+    assert [Path(e.path).name for e in entries if not e.error] == ["f.pt"]
+
+
+def test_self_referencing_and_broken_symlinks(tmp_path: Path) -> None:
+    os.symlink("self.pt", tmp_path / "self.pt")
+    os.symlink("missing.pt", tmp_path / "dangling.pt")
+    errors = {Path(e.path).name: e.error for e in walk(str(tmp_path))}
+    assert errors == {"self.pt": "cannot read: symlink loop", "dangling.pt": "cannot read: broken symlink"}
+
+
+def test_fifo_is_skipped_not_opened(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe.pt")  # opening it for reading would block forever
+    (tmp_path / "ok.pt").write_bytes(b"x")
+    assert [Path(e.path).name for e in walk(str(tmp_path))] == ["ok.pt"]
+
+
+def test_non_utf8_file_name_survives(tmp_path: Path) -> None:
+    raw = os.fsencode(str(tmp_path)) + b"/lat\xe9nt\xff.pt"
+    with open(raw, "wb") as f:
+        f.write(b"x")
+    (entry,) = walk(str(tmp_path))
+    assert os.fsencode(entry.path) == raw
+    assert entry.error is None
+
+
+def test_missing_root_is_an_error_entry(tmp_path: Path) -> None:
+    (entry,) = walk(str(tmp_path / "nope"))
+    assert entry.error == "cannot read: vanished while scanning"
+
+
+def test_unlistable_directory_is_reported(fs) -> None:
+    """Permission denied needs a non-root user: pyfakefs emulates one."""
+    from pyfakefs.helpers import set_uid
+
+    fs.create_file("/cache/ok.pt", contents=b"x")
+    fs.create_file("/cache/locked/hidden.pt", contents=b"x")
+    os.chmod("/cache/locked", 0o000)
+    set_uid(1000)
+    entries = {e.path: e.error for e in walk("/cache")}
+    assert entries == {"/cache/ok.pt": None, "/cache/locked": "cannot read: permission denied"}
