@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from cachedoctor.findings import Finding, Report
-from cachedoctor.formats import UNREADABLE, read_path
+from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
 from cachedoctor.formats.meta import IMAGE, FileMeta
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
 from cachedoctor.inventory import Entry, walk
@@ -45,13 +45,17 @@ def selected_rules(options: ScanOptions) -> list[Rule]:
 def read_entry(entry: Entry, deep: bool) -> FileMeta:
     """The FileMeta of one entry; never raises."""
     if entry.error:
-        return FileMeta(entry.path, entry.size, UNREADABLE, errors=(entry.error,))
-    if entry.role == IMAGE_ROLE:
-        return FileMeta(entry.path, entry.size, IMAGE)  # images are never cache files
+        return FileMeta(entry.path, 0, UNREADABLE, errors=(entry.error,))
+    if entry.role == IMAGE_ROLE:  # images are never cache files: their stat is all we need
+        try:
+            st = os.stat(entry.path)
+        except OSError as exc:
+            return FileMeta(entry.path, 0, UNREADABLE, errors=(describe_os_error(exc),))
+        return FileMeta(entry.path, st.st_size, IMAGE, mtime=st.st_mtime)
     try:
         return read_path(entry.path, deep=deep)
     except Exception as exc:  # a reader bug must cost one file, not the scan
-        return FileMeta(entry.path, entry.size, UNREADABLE,
+        return FileMeta(entry.path, 0, UNREADABLE,
                         errors=(f"internal error while reading: {type(exc).__name__}: {exc}",))
 
 
@@ -59,15 +63,13 @@ def check_entries(entries: list[Entry], options: ScanOptions, rules: list[Rule])
     findings: list[Finding] = []
     summaries = []
     nbytes = 0
+    checks = [r.check_file for r in rules if r.check_file is not None]
     for entry in entries:
-        nbytes += entry.size
         meta = read_entry(entry, options.deep)
-        ctx = RuleContext(deep=options.deep, dataset=entry.dataset, entry=entry)
-        for rule in rules:
-            if rule.check_file is None:
-                continue
-            rule_ctx = dataclasses.replace(ctx, settings=options.settings.get(rule.code, {}))
-            findings.extend(rule.check_file(meta, rule_ctx))
+        nbytes += meta.size
+        ctx = RuleContext(options.deep, entry.dataset, options.settings, entry)
+        for check in checks:
+            findings.extend(check(meta, ctx))
         summary = summarize(entry, meta)
         if summary is not None:
             summaries.append(encode(summary))
@@ -150,8 +152,7 @@ def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
             view = store.view(dataset)
             for rule in rules:
                 if rule.check_dataset is not None:
-                    ctx = RuleContext(options.deep, dataset or None,
-                                      options.settings.get(rule.code, {}))
+                    ctx = RuleContext(options.deep, dataset or None, options.settings)
                     findings.extend(rule.check_dataset(view, ctx))
     finally:
         store.close()

@@ -7,12 +7,13 @@ turns every I/O failure into an Entry carrying the error instead of raising.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachedoctor.formats import describe_os_error
 
@@ -46,15 +47,15 @@ TEXT_PATTERN = re.compile(
 TEXT_DIRS = frozenset({"_t_e_cache", "text"})
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):
+    """A file to check. Size and times come later, from the worker's fstat of the open file:
+    the walk itself only lists directories, so it never stats a regular file."""
+
     path: str  # absolute; str from os.fsdecode, so undecodable names survive (surrogateescape)
-    size: int
-    mtime: float
     role: str
     dataset: str | None = None
     bucket: str | None = None
-    error: str | None = None  # why it could not be listed or stat'ed; nothing else is known
+    error: str | None = None  # why it could not be listed or reached; nothing else is known
     area: str = "cache"  # "cache": a cache dir; "images": an image dir (kohya caches live there)
 
 
@@ -82,16 +83,17 @@ def excluded(path: str, patterns: tuple[str, ...]) -> bool:
 
 
 def walk(root: str, *, dataset: str | None = None, exclude: tuple[str, ...] = (),
-         bucket_from_folders: bool = True) -> Iterator[Entry]:
+         bucket_from_folders: bool = True, area: str = "cache") -> Iterator[Entry]:
     """Every file under `root` (or `root` itself if it is a file), as Entries."""
     root = os.path.abspath(root)
     try:
         st = os.stat(root)
     except OSError as exc:
-        yield Entry(root, 0, 0.0, OTHER, dataset, None, describe_os_error(exc))
+        yield Entry(root, OTHER, dataset, None, describe_os_error(exc), area)
         return
     if not stat.S_ISDIR(st.st_mode):
-        yield _entry(root, st, dataset, None)
+        yield Entry(root, classify(os.path.basename(root), os.path.dirname(root)), dataset, None,
+                    None, area)
         return
     seen = {(st.st_dev, st.st_ino)}
     stack = [root]
@@ -101,50 +103,52 @@ def walk(root: str, *, dataset: str | None = None, exclude: tuple[str, ...] = ()
             with os.scandir(directory) as it:
                 children = list(it)
         except OSError as exc:
-            yield Entry(directory, 0, 0.0, OTHER, dataset, None, describe_os_error(exc))
+            yield Entry(directory, OTHER, dataset, None, describe_os_error(exc), area)
             continue
         bucket = _bucket(root, directory) if bucket_from_folders else None
         for child in children:
             path = child.path
             if exclude and excluded(path, exclude):
                 continue
+            # d_type answers is_dir/is_file without a syscall; only symlinks are stat'ed
             try:
-                is_dir = child.is_dir()  # follows symlinks
-            except OSError:
-                is_dir = False
-            if is_dir:
+                is_file, is_dir = child.is_file(), child.is_dir()
+            except OSError as exc:  # a symlink loop
+                yield Entry(path, OTHER, dataset, bucket, describe_os_error(exc), area)
+                continue
+            if is_file:
+                yield Entry(path, classify(child.name, directory), dataset, bucket, None, area)
+            elif is_dir:
                 if child.name == STATE_DIR:
                     continue
                 try:
                     cst = child.stat()
                 except OSError as exc:
-                    yield Entry(path, 0, 0.0, OTHER, dataset, bucket, describe_os_error(exc))
+                    yield Entry(path, OTHER, dataset, bucket, describe_os_error(exc), area)
                     continue
                 key = (cst.st_dev, cst.st_ino)
                 if key in seen:
                     if child.is_symlink():
-                        yield Entry(path, 0, 0.0, OTHER, dataset, bucket,
-                                    "symlink loop: points back to a directory already scanned")
+                        yield Entry(path, OTHER, dataset, bucket,
+                                    "symlink loop: points back to a directory already scanned", area)
                     continue
                 seen.add(key)
                 stack.append(path)
-                continue
-            try:
-                cst = child.stat()
-            except OSError as exc:
-                reason = describe_os_error(exc)
-                if child.is_symlink() and exc.errno == 2:
-                    reason = "cannot read: broken symlink"
-                yield Entry(path, 0, 0.0, OTHER, dataset, bucket, reason)
-                continue
-            if not stat.S_ISREG(cst.st_mode):
-                continue  # sockets, FIFOs and devices are no cache files and must not be opened
-            yield _entry(path, cst, dataset, bucket)
+            elif child.is_symlink():  # neither file nor dir: dangling, or a loop
+                yield Entry(path, OTHER, dataset, bucket, _link_error(path), area)
+            # sockets, FIFOs and devices are no cache files and must never be opened
 
 
-def _entry(path: str, st: os.stat_result, dataset: str | None, bucket: str | None) -> Entry:
-    return Entry(path, st.st_size, st.st_mtime, classify(os.path.basename(path),
-                                                         os.path.dirname(path)), dataset, bucket)
+def _link_error(path: str) -> str:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return "cannot read: broken symlink"
+        return describe_os_error(exc)
+    return "cannot read: the link points to no regular file"
+
+
 
 
 def _bucket(root: str, directory: str) -> str | None:

@@ -27,12 +27,8 @@ class RuleContext:
 
     deep: bool = False
     dataset: str | None = None
-    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
     entry: Entry | None = None  # file rules: the file's role, area and mtime from the walk
-
-    def setting(self, key: str, default: Any) -> Any:
-        """A rule threshold (e.g. CD201's `min-ratio`), from config or flags, else `default`."""
-        return self.settings.get(key, default)
 
 
 @dataclass(frozen=True)
@@ -46,7 +42,11 @@ class Rule:
     deep: bool = False  # only runs under --deep (reads whole tensors)
     check_file: Callable[[FileMeta, RuleContext], Iterable[Finding]] | None = None
     check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
-    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # defaults
+
+    def setting(self, ctx: RuleContext, key: str) -> Any:
+        """A threshold such as CD201's `min-ratio`: from config or flags, else the default."""
+        return ctx.settings.get(self.code, {}).get(key, self.settings[key])
 
     def finding(self, path: str, message: str, ctx: RuleContext | None = None,
                 fix: str | bool | None = True, **details: Any) -> Finding:

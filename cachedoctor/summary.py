@@ -93,7 +93,7 @@ def summarize(entry: Entry, meta: FileMeta) -> FileSummary | None:
         role=role,
         format=meta.format,
         size=meta.size,
-        mtime=entry.mtime,
+        mtime=meta.mtime,
         shape=latent.shape if latent else None,
         dtype=first.dtype,
         signature=signature,

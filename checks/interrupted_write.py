@@ -40,9 +40,9 @@ def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
     if entry is None or entry.role != TEMP:
         return
     name = os.path.basename(entry.path)
-    old = max(0.0, time.time() - entry.mtime)
+    old = max(0.0, time.time() - meta.mtime)
     if name.endswith(".lock"):
-        limit = float(ctx.setting("stale-lock-seconds", 3600))
+        limit = float(RULE.setting(ctx, "stale-lock-seconds"))
         if old < limit:
             return  # a live writer holds it
         yield RULE.finding(entry.path, f"stale lock file, {age(old)} old: its writer is gone",
@@ -52,7 +52,7 @@ def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
         what = "temp file of an interrupted atomic write"
     else:
         what = f"temp file of an interrupted write of '{name.lstrip('.').removesuffix('.tmp')}'"
-    message = f"{what}: {entry.size:,} B, {age(old)} old"
+    message = f"{what}: {meta.size:,} B, {age(old)} old"
     if old < RECENT_SECONDS:
         message += " (recent: a writer may still be running)"
     yield RULE.finding(entry.path, message, ctx, kind="temp", age_seconds=round(old),
@@ -67,4 +67,5 @@ RULE = Rule(
     doc=__doc__,
     fix="quarantine",
     check_file=check,
+    settings={"stale-lock-seconds": 3600},
 )

@@ -49,8 +49,8 @@ def used_bytes(views: tuple[TensorMeta, ...]) -> int:
 
 
 def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
-    min_ratio = float(ctx.setting("min-ratio", 1.5))
-    min_wasted = int(ctx.setting("min-wasted-bytes", 4096))
+    min_ratio = float(RULE.setting(ctx, "min-ratio"))
+    min_wasted = int(RULE.setting(ctx, "min-wasted-bytes"))
     stored = used = 0
     paths: list[str] = []
     for _key, nbytes, views in meta.storages():

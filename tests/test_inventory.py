@@ -90,9 +90,12 @@ def test_unlistable_directory_is_reported(fs) -> None:
     """Permission denied needs a non-root user: pyfakefs emulates one."""
     from pyfakefs.helpers import set_uid
 
-    fs.create_file("/cache/ok.pt", contents=b"x")
+    from conftest import scan_paths
+
+    fs.create_file("/cache/ok.pt", contents=b"")
     fs.create_file("/cache/locked/hidden.pt", contents=b"x")
     os.chmod("/cache/locked", 0o000)
     set_uid(1000)
-    entries = {e.path: e.error for e in walk("/cache")}
-    assert entries == {"/cache/ok.pt": None, "/cache/locked": "cannot read: permission denied"}
+    found = {(f.code, f.path, f.message) for f in scan_paths("/cache").findings}
+    assert found == {("CD001", "/cache/locked", "cannot read: permission denied"),
+                     ("CD102", "/cache/ok.pt", "empty file: 0 bytes where a cache entry should be")}

@@ -105,11 +105,13 @@ def read_path(path: str, *, deep: bool = False) -> FileMeta:
     except OSError as exc:
         return FileMeta(path, 0, UNREADABLE, errors=(describe_os_error(exc),))
     try:
-        return read_source(src, path, deep=deep)
+        meta = read_source(src, path, deep=deep)
     except OSError as exc:
-        return FileMeta(path, src.size, UNREADABLE, errors=(describe_os_error(exc),))
+        meta = FileMeta(path, src.size, UNREADABLE, errors=(describe_os_error(exc),))
     finally:
         os.close(fd)
+    meta.mtime = src.mtime
+    return meta
 
 
 def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False) -> FileMeta:

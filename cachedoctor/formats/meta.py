@@ -76,9 +76,10 @@ class TensorMeta:
         return "".join(f"[{p!r}]" for p in self.path) or "<root>"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FileMeta:
-    """Everything the readers know about one file."""
+    """Everything the readers know about one file. Readers build it; nothing changes it after
+    read_path has stamped the file's mtime (kept mutable for that one cheap assignment)."""
 
     path: str
     size: int
@@ -94,10 +95,11 @@ class FileMeta:
     notes: tuple[str, ...] = ()  # facts that are no problem ("CRC32 not recorded")
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     deep: bool = False  # whether CRC and values were read
+    mtime: float = 0.0  # from the fstat of the open file (read_path sets it)
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, MappingProxyType):
-            object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+            self.metadata = MappingProxyType(dict(self.metadata))
 
     def __reduce__(self):
         # MappingProxyType does not pickle; metas cross process boundaries.

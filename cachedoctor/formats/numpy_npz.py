@@ -15,7 +15,7 @@ from cachedoctor.formats import numpy_npy as npy
 from cachedoctor.formats.meta import NPZ, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_nonfinite
 from cachedoctor.formats.source import Source
-from cachedoctor.formats.zipdir import ZipDirectory, ZipEntry, ZipError, read_entry
+from cachedoctor.formats.zipdir import DamagedEntry, ZipDirectory, ZipEntry, ZipError, crc_mismatch, read_entry
 
 
 class _Member:
@@ -84,11 +84,8 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
         header = npy.parse_header(data)
         if header.dtype.has_object and whole is None:
             data = read_entry(src, entry, header.data_offset + npy.PICKLE_READ)
-    except (npy.NpyError, ZipError) as exc:
+    except (npy.NpyError, ZipError) as exc:  # DamagedEntry included
         member.error = f"member '{name}': {exc}"
-        return member
-    except zlib.error as exc:
-        member.error = f"member '{name}': deflate stream is damaged ({exc})"
         return member
     size = entry.size - header.data_offset
     if header.dtype.has_object:
@@ -119,18 +116,16 @@ def _read_whole(src: Source, entry: ZipEntry, member: _Member) -> bytes | None:
     """--deep: the member's bytes, with a CRC or inflate failure recorded as a crc_error."""
     try:
         data = read_entry(src, entry)
-    except zlib.error as exc:
-        member.crc_error = f"member '{entry.name}': deflate stream is damaged ({exc})"
+    except DamagedEntry as exc:
+        member.crc_error = f"member '{entry.name}': {exc}"
         return None
     except ZipError:
-        return None  # an unsupported method: the header read reports it
+        return None  # an unsupported method or a huge entry: the header read reports it
     if len(data) != entry.size:
         member.crc_error = (
             f"member '{entry.name}' inflates to {len(data):,} bytes, "
             f"the directory says {entry.size:,}"
         )
     elif (actual := zlib.crc32(data)) != entry.crc:
-        member.crc_error = (
-            f"CRC32 mismatch in '{entry.name}' (recorded 0x{entry.crc:08x}, actual 0x{actual:08x})"
-        )
+        member.crc_error = crc_mismatch(entry.name, entry.crc, actual)
     return data

@@ -17,6 +17,7 @@ WINDOW = 64 * 1024
 
 class Source(Protocol):
     size: int
+    buffer: bytes | None  # every byte, when they are all in memory anyway
 
     def pread(self, offset: int, n: int) -> bytes:
         """Up to n bytes at offset; fewer at the end of the data, never an error for a range."""
@@ -25,23 +26,26 @@ class Source(Protocol):
 
 class BytesSource:
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self._data = memoryview(data)
-        self.size = len(self._data)
+        self.buffer = data if isinstance(data, bytes) else bytes(data)
+        self.size = len(self.buffer)
 
     def pread(self, offset: int, n: int) -> bytes:
-        if offset < 0 or n <= 0 or offset >= self.size:
+        if offset < 0 or n <= 0:
             return b""
-        return bytes(self._data[offset : offset + n])
+        return self.buffer[offset : offset + n]
 
 
 class FileSource:
     """A file opened read-only, with its head and tail cached."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, position: int | None = None) -> None:
         self._fd = fd
+        self._pos = position  # the descriptor's offset, when known: saves an lseek
         self.size = size
+        self.mtime = 0.0
+        self.buffer: bytes | None = None
         if size <= WHOLE_FILE_LIMIT:
-            self._head = self._read(0, size)
+            self._head = self.buffer = self._read(0, size)
             self._tail_at, self._tail = size, b""
         else:
             self._head = self._read(0, WINDOW)
@@ -50,7 +54,8 @@ class FileSource:
 
     def _read(self, offset: int, n: int) -> bytes:
         # lseek + read rather than pread: same cost here, and pyfakefs (our tests) fakes them
-        os.lseek(self._fd, offset, os.SEEK_SET)
+        if offset != self._pos:
+            os.lseek(self._fd, offset, os.SEEK_SET)
         chunks, done = [], 0
         while done < n:
             chunk = os.read(self._fd, n - done)
@@ -58,7 +63,8 @@ class FileSource:
                 break
             chunks.append(chunk)
             done += len(chunk)
-        return b"".join(chunks)
+        self._pos = offset + done
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def pread(self, offset: int, n: int) -> bytes:
         if offset < 0 or n <= 0 or offset >= self.size:
@@ -85,7 +91,9 @@ def open_source(path: str) -> tuple[int, FileSource]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"not a regular file: {path}")
-        return fd, FileSource(fd, st.st_size)
+        src = FileSource(fd, st.st_size, position=0)
+        src.mtime = st.st_mtime
+        return fd, src
     except BaseException:
         os.close(fd)
         raise

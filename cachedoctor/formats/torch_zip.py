@@ -12,16 +12,49 @@ does) and float tensors are searched for NaN and Inf.
 
 from __future__ import annotations
 
-from cachedoctor.formats.meta import TORCH_ZIP, FileMeta
+import functools
+from dataclasses import dataclass
+
+from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
 from cachedoctor.formats.source import BytesSource, Source
 from cachedoctor.formats.torch_tensors import clip, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
     MAX_PICKLE_BYTES,
+    StorageRef,
     UnpickleError,
     load_restricted,
     root_kind,
 )
-from cachedoctor.formats.zipdir import STORED, ZipDirectory, ZipEntry, entry_crc, read_entry
+from cachedoctor.formats.zipdir import STORED, ZipDirectory, ZipEntry, crc_mismatch, entry_crc, read_entry
+
+# Files of one cache mostly share their data.pkl byte for byte (same structure, shape, dtype),
+# so its analysis is kept per worker, keyed by the bytes and the stored record sizes.
+MEMO_PICKLE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    storages: tuple[tuple[str, StorageRef], ...] = ()
+    tensors: tuple[TensorMeta, ...] = ()
+    tensor_errors: tuple[str, ...] = ()
+    root: str | None = None
+    globals: tuple[str, ...] = ()
+    unsafe: tuple[str, ...] = ()
+    error: str | None = None
+
+
+def _parse(data: bytes, stored: tuple[tuple[str, int], ...]) -> _Parsed:
+    try:
+        unpickled = load_restricted(data)
+    except UnpickleError as exc:
+        return _Parsed(globals=tuple(exc.globals), unsafe=tuple(exc.unsafe_globals), error=str(exc))
+    tensors, errors = tensor_metas(unpickled.obj, dict(stored))
+    return _Parsed(tuple(unpickled.storages.items()), tuple(tensors), tuple(errors),
+                   root_kind(unpickled.obj), tuple(unpickled.globals),
+                   tuple(unpickled.unsafe_globals))
+
+
+_parse_cached = functools.lru_cache(maxsize=512)(_parse)
 
 
 def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta:
@@ -69,19 +102,18 @@ class _Reader:
         self._check_version(records, prefix)
         if pkl is None:
             return self._meta()
-        unpickled = self._unpickle(pkl)
-        if unpickled is None:
+        stored = {name[5:]: e.size for name, e in records.items() if name.startswith("data/")}
+        parsed = self._unpickle(pkl, stored)
+        if parsed is None:
             return self._meta()
-        stored: dict[str, int] = {}
-        for key, ref in unpickled.storages.items():
-            record = records.get(f"data/{key}")
+        for key, ref in parsed.storages:
             name = clip(key)
-            if record is None:
+            if key not in stored:
                 errors.append(
                     f"data.pkl names storage '{name}' but the archive has no {prefix}data/{name} "
                     f"(torch.load: failed locating file data/{name})")
                 continue
-            stored[key] = record.size
+            record = records[f"data/{key}"]
             if record.size != ref.nbytes:
                 errors.append(
                     f"storage {prefix}data/{name} holds {record.size:,} bytes where data.pkl "
@@ -89,8 +121,8 @@ class _Reader:
                     f"size ({record.size} bytes) does not match expected size ({ref.nbytes} "
                     f"bytes ...); older torch: record size {record.size} mismatch with dst size "
                     f"{ref.nbytes})")
-        tensors, tensor_errors = tensor_metas(unpickled.obj, stored)
-        errors.extend(tensor_errors)
+        errors.extend(parsed.tensor_errors)
+        tensors = parsed.tensors
         nonfinite: tuple = ()
         if self.deep:
             big = self._big_endian(records)
@@ -104,8 +136,7 @@ class _Reader:
                 return BytesSource(read_entry(self.src, record)), 0
 
             nonfinite = nonfinite_counts(tensors, locate, big)
-        return self._meta(root=root_kind(unpickled.obj), tensors=tuple(tensors),
-                          nonfinite=nonfinite)
+        return self._meta(root=parsed.root, tensors=tensors, nonfinite=nonfinite)
 
     def _check_version(self, records: dict[str, ZipEntry], prefix: str) -> None:
         record = records.get(".data/version") or records.get("version")
@@ -118,19 +149,19 @@ class _Reader:
             shown = clip(text.decode("ascii", "replace"))
             self.errors.append(f"the version record holds '{shown}', not a format version")
 
-    def _unpickle(self, pkl: ZipEntry):
+    def _unpickle(self, pkl: ZipEntry, stored: dict[str, int]) -> _Parsed | None:
         if pkl.size > MAX_PICKLE_BYTES:
             self.errors.append(f"data.pkl is {pkl.size:,} bytes, more than the "
                                f"{MAX_PICKLE_BYTES // 2**20} MiB cachedoctor unpickles: not checked")
             return None
-        try:
-            unpickled = load_restricted(read_entry(self.src, pkl))
-        except UnpickleError as exc:
-            self.globals, self.unsafe = exc.globals, exc.unsafe_globals
-            self.errors.append(f"data.pkl is damaged: {exc}")
+        data = read_entry(self.src, pkl)
+        key = tuple(stored.items())
+        parsed = _parse_cached(data, key) if len(data) <= MEMO_PICKLE_BYTES else _parse(data, key)
+        self.globals, self.unsafe = list(parsed.globals), list(parsed.unsafe)
+        if parsed.error is not None:
+            self.errors.append(f"data.pkl is damaged: {parsed.error}")
             return None
-        self.globals, self.unsafe = unpickled.globals, unpickled.unsafe_globals
-        return unpickled
+        return parsed
 
     def _big_endian(self, records: dict[str, ZipEntry]) -> bool:
         record = records.get("byteorder")
@@ -147,8 +178,7 @@ class _Reader:
         for e in entries:
             actual = entry_crc(self.src, e)
             if actual != e.crc:
-                found.append(f"{e.name}: its bytes have CRC32 {actual:08x}, the zip directory "
-                             f"records {e.crc:08x}")
+                found.append(crc_mismatch(clip(e.name), e.crc, actual))
         return tuple(found)
 
     def _meta(self, **fields) -> FileMeta:

@@ -13,7 +13,10 @@ survive badly (huge memo indices, deeply nested tuples, lying lengths).
 from __future__ import annotations
 
 import _compat_pickle
+import io
 import pickle
+import pickletools
+import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -494,13 +497,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         hit = self.found.get(key)
         if hit is not None:
             return hit
-        if key in _compat_pickle.NAME_MAPPING:  # protocol 2 writes __builtin__.set
-            module, name = _compat_pickle.NAME_MAPPING[key]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
-        full = f"{module}.{name}"
+        full, allowed = classify_global(module, name)  # protocol 2 writes __builtin__.set
         obj = ALLOWED_GLOBALS.get(full)
-        if obj is not None:  # allowed under an old name: remembered for every later file
+        if allowed:  # allowed under an old name: remembered for every later file
             _ALLOWED_BY_RAW_NAME[key] = (full, obj)
             return full, obj
         if len(self.found) >= MAX_GLOBALS:
@@ -585,16 +584,78 @@ def load_restricted(data: bytes | bytearray | memoryview | BinaryIO, offset: int
         if exc.truncated and len(data) - offset > MAX_PICKLE_BYTES:
             raise UnpickleError(f"the pickle runs past the {MAX_PICKLE_BYTES // 2**20} MiB "
                                 "cachedoctor unpickles") from None
-        raise UnpickleError(str(exc), truncated=exc.truncated) from None
+        names, unsafe = scan_globals(data, offset)
+        raise UnpickleError(str(exc), names, unsafe, truncated=exc.truncated) from None
     unpickler = _RestrictedUnpickler(data[offset:end] if offset or end < len(data) else data,
                                      legacy)
     try:
         obj = unpickler.load()
     except Exception as exc:  # whatever a malformed stream makes the C unpickler or us raise
-        raise UnpickleError(_describe(exc), list(unpickler.names), list(unpickler.unsafe)) from None
+        # the globals after the point of failure count too: a payload may sit there
+        names, unsafe = scan_globals(data, offset)
+        raise UnpickleError(_describe(exc), list(dict.fromkeys([*unpickler.names, *names])),
+                            list(dict.fromkeys([*unpickler.unsafe, *unsafe]))) from None
     if stream is not None:
         stream.seek(start + end)
     return Unpickled(obj, list(unpickler.names), list(unpickler.unsafe), unpickler.storages, end)
+
+
+_STRING_OPS = frozenset({"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
+                         "SHORT_BINUNICODE", "BINUNICODE8"})
+
+
+def scan_globals(data: bytes, offset: int = 0) -> tuple[list[str], list[str]]:
+    """Every global a (possibly broken) pickle names, read from its opcodes alone.
+
+    Used when the stream cannot be unpickled: a cut-off or damaged pickle must still show the
+    payload it carries. Nothing is built or run; STACK_GLOBAL's operands are the last two
+    strings pushed (directly or from the memo), which is how picklers write them.
+    """
+    names: dict[str, None] = {}
+    unsafe: dict[str, None] = {}
+    strings: list[str] = []  # the last two strings pushed
+    fresh = False  # whether the opcode before this one pushed a string
+    memo: dict[int, str] = {}
+    memo_next = 0
+    stream = io.BytesIO(data[offset : offset + MAX_PICKLE_BYTES])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # genops warns about bad escapes in STRING opcodes
+            for op, arg, _pos in pickletools.genops(stream):
+                kind, pushed = op.name, None
+                if kind in _STRING_OPS:
+                    pushed = arg if isinstance(arg, str) else str(arg)
+                elif kind in ("GET", "BINGET", "LONG_BINGET"):
+                    pushed = memo.get(int(arg))
+                elif kind in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    index = memo_next if kind == "MEMOIZE" else int(arg)
+                    memo_next = max(memo_next, index + 1)
+                    if fresh:
+                        memo[index] = strings[-1]
+                    continue  # memoizing leaves the stack as it was
+                elif kind in ("GLOBAL", "INST") or (kind == "STACK_GLOBAL" and len(strings) == 2):
+                    module, name = str(arg).split(" ", 1) if arg is not None else strings
+                    full, allowed = classify_global(module, name)
+                    names[full] = None
+                    if not allowed:
+                        unsafe[full] = None
+                fresh = pushed is not None
+                if fresh:
+                    strings = [*strings[-1:], pushed]
+    except Exception:
+        pass  # the stream ends or breaks: keep what was found before that point
+    return list(names), list(unsafe)
+
+
+def classify_global(module: str, name: str) -> tuple[str, bool]:
+    """The global's canonical name (py2 names mapped) and whether torch's weights_only allows it."""
+    key = (module, name)
+    if key in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[key]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    full = f"{module}.{name}"
+    return full, full in ALLOWED_GLOBALS
 
 
 def _describe(exc: Exception) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachedoctor.formats.source import Source
 
@@ -24,7 +26,12 @@ ZIP64_LOCATOR = struct.Struct("<4sIQI")  # 20 bytes
 ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")  # 56 bytes
 CD_ENTRY = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes
 LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
+# Just the fields the parser uses: method, crc, sizes, name/extra/comment lengths, offset.
+CD_FIELDS = struct.Struct("<4x6xH4xIIIHHH8xI")
+LOCAL_LENGTHS = struct.Struct("<HH")
 MAX_ENTRIES = 1_000_000
+MAX_WHOLE_ENTRY = 1 << 30
+CHUNK = 1 << 20  # an entry read whole (--deep) beyond this is refused, not inflated
 STORED, DEFLATED = 0, 8
 
 
@@ -32,8 +39,11 @@ class ZipError(Exception):
     """The archive cannot be read: the message says what is broken."""
 
 
-@dataclass(frozen=True, slots=True)
-class ZipEntry:
+class DamagedEntry(ZipError):
+    """An entry's compressed bytes do not inflate."""
+
+
+class ZipEntry(NamedTuple):  # a NamedTuple: built once per entry per file, so cheap matters
     name: str
     method: int
     crc: int
@@ -60,6 +70,10 @@ class ZipDirectory:
 
 
 def _find_eocd(src: Source) -> tuple[int, bytes]:
+    at = src.size - EOCD.size
+    raw = src.pread(at, EOCD.size)
+    if raw[:4] == EOCD_SIG and raw[20:22] == b"\0\0":
+        return at, raw  # no archive comment: the usual case, and the only one torch writes
     tail_len = min(src.size, EOCD.size + 0xFFFF)
     tail = src.pread(src.size - tail_len, tail_len)
     at = tail.rfind(EOCD_SIG)
@@ -113,17 +127,27 @@ def read_directory(src: Source) -> ZipDirectory:
     cd = src.pread(cd_offset, cd_size)
     entries = []
     pos = 0
+    local = src.buffer  # the whole file when it is small: local headers need no further reads
     for index in range(n_total):
-        if pos + CD_ENTRY.size > len(cd) or cd[pos : pos + 4] != CD_SIG:
+        if cd[pos : pos + 4] != CD_SIG or pos + CD_ENTRY.size > len(cd):
             raise ZipError(f"central directory entry {index} is damaged (bad signature)")
-        f = CD_ENTRY.unpack_from(cd, pos)
-        method, crc, csize, usize, nlen, xlen, clen, lho = f[4], f[7], f[8], f[9], f[10], f[11], f[12], f[16]
-        name_bytes = cd[pos + CD_ENTRY.size : pos + CD_ENTRY.size + nlen]
-        extra = cd[pos + CD_ENTRY.size + nlen : pos + CD_ENTRY.size + nlen + xlen]
-        usize, csize, lho = _zip64_sizes(extra, usize, csize, lho)
-        pos += CD_ENTRY.size + nlen + xlen + clen
-        name = name_bytes.decode("utf-8", "replace")
-        entries.append(_locate(src, name, method, crc, csize, usize, lho, cd_offset))
+        method, crc, csize, usize, nlen, xlen, clen, lho = CD_FIELDS.unpack_from(cd, pos)
+        at = pos + CD_ENTRY.size
+        name = cd[at : at + nlen].decode("utf-8", "replace")
+        if 0xFFFFFFFF in (usize, csize, lho):
+            usize, csize, lho = _zip64_sizes(cd[at + nlen : at + nlen + xlen], usize, csize, lho)
+        pos = at + nlen + xlen + clen
+        head = local[lho : lho + LOCAL.size] if local is not None else src.pread(lho, LOCAL.size)
+        if head[:4] != LOCAL_SIG or len(head) < LOCAL.size:
+            raise ZipError(f"entry '{name}': no local header at offset {lho:,}")
+        lnlen, lxlen = LOCAL_LENGTHS.unpack_from(head, 26)
+        data_at = lho + LOCAL.size + lnlen + lxlen
+        if data_at + csize > cd_offset:
+            raise ZipError(
+                f"entry '{name}' ({csize:,} bytes at offset {data_at:,}) runs past the start of "
+                f"the central directory at {cd_offset:,}"
+            )
+        entries.append(ZipEntry(name, method, crc, csize, usize, lho, data_at))
     return ZipDirectory(tuple(entries), cd_offset, trailing)
 
 
@@ -144,52 +168,57 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, i
     return usize, csize, lho
 
 
-def _locate(src: Source, name: str, method: int, crc: int, csize: int, usize: int, lho: int,
-            cd_offset: int) -> ZipEntry:
-    local = src.pread(lho, LOCAL.size)
-    if len(local) < LOCAL.size or local[:4] != LOCAL_SIG:
-        raise ZipError(f"entry '{name}': no local header at offset {lho:,}")
-    nlen, xlen = LOCAL.unpack(local)[9:11]
-    data_at = lho + LOCAL.size + nlen + xlen
-    if data_at + csize > cd_offset:
-        raise ZipError(
-            f"entry '{name}' ({csize:,} bytes at offset {data_at:,}) runs past the start of the "
-            f"central directory at {cd_offset:,}"
-        )
-    return ZipEntry(name, method, crc, csize, usize, lho, data_at)
-
-
 def read_entry(src: Source, entry: ZipEntry, limit: int | None = None) -> bytes:
     """The entry's uncompressed bytes (at most `limit` of them when given)."""
     want = entry.size if limit is None else min(limit, entry.size)
+    if want > MAX_WHOLE_ENTRY:
+        raise ZipError(f"entry '{entry.name}' is {entry.size:,} bytes, too large to read whole")
     if entry.method == STORED:
         return src.pread(entry.data_offset, want)
-    if entry.method == DEFLATED:
-        inflater = zlib.decompressobj(-15)
-        out = bytearray()
-        pos, end = entry.data_offset, entry.data_offset + entry.compressed_size
-        while len(out) < want and pos < end:
-            chunk = src.pread(pos, min(256 * 1024, end - pos))
+    out = bytearray()
+    for piece in _inflated(src, entry):
+        out += piece
+        if len(out) >= want:
+            break
+    return bytes(out[:want])
+
+
+def _inflated(src: Source, entry: ZipEntry) -> Iterator[bytes]:
+    """A deflated entry's bytes, a chunk at a time; DamagedEntry if the stream is broken."""
+    if entry.method != DEFLATED:
+        raise ZipError(f"entry '{entry.name}' uses compression method {entry.method}, not stored/deflate")
+    inflater = zlib.decompressobj(-15)
+    pos, end = entry.data_offset, entry.data_offset + entry.compressed_size
+    try:
+        while pos < end and not inflater.eof:
+            chunk = src.pread(pos, min(CHUNK, end - pos))
             if not chunk:
-                break
+                return
             pos += len(chunk)
-            out += inflater.decompress(chunk, want - len(out))
-            if inflater.eof:
-                break
-        return bytes(out[:want])
-    raise ZipError(f"entry '{entry.name}' uses compression method {entry.method}, not stored/deflate")
+            while chunk:
+                yield inflater.decompress(chunk, CHUNK)
+                chunk = inflater.unconsumed_tail
+    except zlib.error as exc:
+        raise DamagedEntry(f"deflate stream of '{entry.name}' is damaged ({exc})") from None
 
 
 def entry_crc(src: Source, entry: ZipEntry) -> int:
-    """CRC32 of the entry's uncompressed bytes, read in chunks."""
+    """CRC32 of the entry's uncompressed bytes, read in chunks (never whole in memory)."""
     crc = 0
-    if entry.method == STORED:
-        pos, end = entry.data_offset, entry.data_offset + entry.size
-        while pos < end:
-            chunk = src.pread(pos, min(1 << 20, end - pos))
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-            pos += len(chunk)
+    if entry.method != STORED:
+        for piece in _inflated(src, entry):
+            crc = zlib.crc32(piece, crc)
         return crc
-    return zlib.crc32(read_entry(src, entry))
+    pos, end = entry.data_offset, entry.data_offset + entry.size
+    while pos < end:
+        chunk = src.pread(pos, min(CHUNK, end - pos))
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        pos += len(chunk)
+    return crc
+
+
+def crc_mismatch(name: str, recorded: int, actual: int) -> str:
+    """CD103's wording, shared by every zip-based reader."""
+    return f"CRC32 mismatch in '{name}' (recorded 0x{recorded:08x}, actual 0x{actual:08x})"

@@ -204,7 +204,7 @@ def test_flipped_bit_in_a_storage():
     assert shallow.errors == () and shallow.crc_errors == () and not shallow.deep
     deep = read_bytes(data, "x.pt", deep=True)
     assert deep.errors == () and deep.deep
-    assert len(deep.crc_errors) == 1 and deep.crc_errors[0].startswith("archive/data/0:")
+    assert len(deep.crc_errors) == 1 and deep.crc_errors[0].startswith("CRC32 mismatch in 'archive/data/0'")
 
 
 def test_flipped_bit_in_data_pkl():
@@ -216,7 +216,7 @@ def test_flipped_bit_in_data_pkl():
     assert shallow.unsafe_globals or shallow.errors  # the damaged name, as torch refuses it
     assert torch_verdict(data) is not None
     deep = read_bytes(data, "x.pt", deep=True)
-    assert [e.split(":")[0] for e in deep.crc_errors] == ["archive/data.pkl"]
+    assert [e.split("'")[1] for e in deep.crc_errors] == ["archive/data.pkl"]
 
 
 def test_crc_not_recorded():
@@ -309,6 +309,7 @@ def test_read_never_raises_on_internal_surprises(monkeypatch):
         raise KeyError("surprise")
 
     monkeypatch.setattr(torch_zip, "tensor_metas", boom)
+    torch_zip._parse_cached.cache_clear()  # the same bytes may have been analysed already
     data = saved(torch.ones(2))
     meta = torch_zip.read(BytesSource(data), "x.pt", False, read_directory(BytesSource(data)))
     assert meta.errors and "surprise" in meta.errors[0]
