@@ -1,8 +1,7 @@
 """How fast `cachedoctor scan` reads a cache, against two baselines measured in the same run.
 
-Builds N latent files (default 20,000: 90% [4,64,64] fp16, 10% [16,128,128] fp16, bare tensors
-as SimpleTuner writes them, 1,000 per folder), warms the page cache, then times with 1 process
-and with every core:
+Builds N latent files (default 20,000: 90% [4,64,64] fp16, 10% [16,128,128] fp16, 1,000 per
+folder), warms the page cache, then times with 1 process and with every core:
   - `cachedoctor scan` (the real CLI in a subprocess, start-up included),
   - a loop of torch.load(map_location="cpu", weights_only=True) over the same files,
   - a loop that only opens each file and reads its last 64 KiB (the I/O floor).
@@ -10,7 +9,11 @@ Targets (issue #2): scan >= 6x the torch.load loop at the same core count, and w
 the read-tail loop. Also reports the scan's peak RSS for N and N/4 files: memory must not grow
 with the number of clean files.
 
-    python benchmarks/scan_speed.py [--files N] [--dir DIR] [--keep]
+Each file is `{"latent": t, "original_size": (w, h), "crop": (0, 0)}` as in the measurements
+of shared/research/tensor-formats.md §7 that set the targets (`--layout dict`), or a bare
+tensor as SimpleTuner writes it (`--layout bare`), which torch.load reads about 1.7x faster.
+
+    python benchmarks/scan_speed.py [--files N] [--layout dict|bare] [--dir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 PER_DIR = 1000
 
 
-def build(root: str, n: int) -> list[str]:
+def build(root: str, n: int, layout: str) -> list[str]:
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -40,7 +43,11 @@ def build(root: str, n: int) -> list[str]:
         shape = (16, 128, 128) if i % 10 == 9 else (4, 64, 64)
         path = os.path.join(folder, f"{i:08d}.pt")
         if not os.path.exists(path):
-            torch.save(torch.randn(shape, generator=gen).half(), path)
+            latent = torch.randn(shape, generator=gen).half()
+            side = shape[-1] * 8
+            obj = latent if layout == "bare" else {"latent": latent, "original_size": (side, side),
+                                                   "crop": (0, 0)}
+            torch.save(obj, path)
         paths.append(path)
     return paths
 
@@ -96,6 +103,7 @@ def peak_rss_kib(root: str, jobs: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=20_000)
+    parser.add_argument("--layout", choices=("dict", "bare"), default="dict")
     parser.add_argument("--dir", help="build (or reuse) the files here instead of a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     args = parser.parse_args()
@@ -103,9 +111,10 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     try:
         t0 = time.perf_counter()
-        paths = build(root, args.files)
+        paths = build(root, args.files, args.layout)
         total = sum(os.path.getsize(p) for p in paths)
-        print(f"{len(paths):,} files, {total / 1e9:.2f} GB in {root} (built in {time.perf_counter() - t0:.0f} s)")
+        print(f"{len(paths):,} files ({args.layout}), {total / 1e9:.2f} GB in {root} "
+              f"(built in {time.perf_counter() - t0:.0f} s); {cores} cores")
         _read_tail(paths)  # warm the page cache: every figure below is warm
         rows = []
         for jobs in sorted({1, cores}):

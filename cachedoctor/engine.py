@@ -18,14 +18,14 @@ from cachedoctor.findings import Finding, Report
 from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
 from cachedoctor.formats.meta import IMAGE, FileMeta
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
-from cachedoctor.inventory import Entry, walk
+from cachedoctor.inventory import Batch, Entry, batches
 from cachedoctor.layouts import Layout, resolve
 from cachedoctor.options import ScanOptions
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import SummaryStore, encode, summarize
 
-CHUNK = 256
-IN_PROCESS_LIMIT = 512  # fewer files than this are read without starting a pool
+BATCH = 256  # files per task sent to a worker
+IN_PROCESS_BATCHES = 3  # fewer batches than this are read without starting a pool
 
 
 @dataclass(frozen=True)
@@ -59,24 +59,29 @@ def read_entry(entry: Entry, deep: bool) -> FileMeta:
                         errors=(f"internal error while reading: {type(exc).__name__}: {exc}",))
 
 
-def check_entries(entries: list[Entry], options: ScanOptions, rules: list[Rule]) -> ChunkResult:
+def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> ChunkResult:
+    """Read and check the files of one batch (in a worker process, or in-process)."""
     findings: list[Finding] = []
     summaries = []
-    nbytes = 0
+    nbytes = files = 0
     checks = [r.check_file for r in rules if r.check_file is not None]
-    for entry in entries:
-        meta = read_entry(entry, options.deep)
+    deep, settings = options.deep, options.settings
+    for entry in batch.entries(options.exclude):
+        files += 1
+        meta = read_entry(entry, deep)
         nbytes += meta.size
-        ctx = RuleContext(options.deep, entry.dataset, options.settings, entry)
+        ctx = RuleContext(deep, entry.dataset, settings, entry)
         for check in checks:
-            findings.extend(check(meta, ctx))
+            found = check(meta, ctx)
+            if found is not None:
+                findings.append(found)
         summary = summarize(entry, meta)
         if summary is not None:
             summaries.append(encode(summary))
-    return ChunkResult(len(entries), nbytes, findings, summaries)
+    return ChunkResult(files, nbytes, findings, summaries)
 
 
-# The pool's workers get the options and rules once, at start-up, not with every chunk.
+# The pool's workers get the options and rules once, at start-up, not with every batch.
 _worker_state: tuple[ScanOptions, list[Rule]] | None = None
 
 
@@ -85,13 +90,14 @@ def _init_worker(options: ScanOptions) -> None:
     _worker_state = (options, selected_rules(options))
 
 
-def _check_in_worker(entries: list[Entry]) -> ChunkResult:
+def _check_in_worker(batch: Batch) -> ChunkResult:
     assert _worker_state is not None
-    return check_entries(entries, *_worker_state)
+    return check_batch(batch, *_worker_state)
 
 
-def iter_entries(layouts: Iterable[Layout], options: ScanOptions) -> Iterator[Entry]:
-    """Every file of every dataset; a directory inside one already walked is walked once."""
+def plan(layouts: Iterable[Layout], options: ScanOptions) -> Iterator[Batch]:
+    """Every file of every dataset, in batches; a directory inside one already walked is
+    walked once."""
     walked: list[str] = []
     for layout in layouts:
         for dataset in layout.datasets:
@@ -100,31 +106,26 @@ def iter_entries(layouts: Iterable[Layout], options: ScanOptions) -> Iterator[En
                 if any(real == w or real.startswith(w.rstrip(os.sep) + os.sep) for w in walked):
                     continue
                 walked.append(real)
-                yield from walk(root, dataset=dataset.id, exclude=options.exclude)
+                yield from batches(root, dataset=dataset.id, size=BATCH, shard=options.shard)
 
 
-def _chunks(entries: Iterator[Entry], size: int) -> Iterator[list[Entry]]:
-    while chunk := list(itertools.islice(entries, size)):
-        yield chunk
-
-
-def _results(entries: Iterator[Entry], options: ScanOptions,
-             rules: list[Rule]) -> Iterator[ChunkResult]:
-    first = list(itertools.islice(entries, IN_PROCESS_LIMIT))
-    if options.jobs <= 1 or len(first) < IN_PROCESS_LIMIT:
-        for chunk in _chunks(itertools.chain(first, entries), CHUNK):
-            yield check_entries(chunk, options, rules)
+def check_files(batches_: Iterable[Batch], options: ScanOptions,
+                rules: list[Rule]) -> Iterator[ChunkResult]:
+    """Results per batch, from a process pool when there is enough work to pay for one."""
+    batches_ = iter(batches_)
+    first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
+    if options.jobs <= 1 or len(first) < IN_PROCESS_BATCHES:
+        for batch in itertools.chain(first, batches_):
+            yield check_batch(batch, options, rules)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     with context.Pool(options.jobs, initializer=_init_worker, initargs=(options,)) as pool:
-        yield from pool.imap_unordered(
-            _check_in_worker, _chunks(itertools.chain(first, entries), CHUNK)
-        )
+        yield from pool.imap_unordered(_check_in_worker, itertools.chain(first, batches_))
 
 
 def count_files(layouts: Iterable[Layout], options: ScanOptions) -> int:
-    return sum(1 for _ in iter_entries(layouts, options))
+    return sum(len(b.names) + len(b.errors) for b in plan(layouts, options))
 
 
 def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
@@ -141,7 +142,7 @@ def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
     files = nbytes = 0
     store = SummaryStore()
     try:
-        for result in _results(iter_entries(layouts, options), options, rules):
+        for result in check_files(plan(layouts, options), options, rules):
             files += result.files
             nbytes += result.bytes
             findings.extend(result.findings)

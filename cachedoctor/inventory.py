@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import itertools
 import os
 import re
 import stat
@@ -62,11 +63,11 @@ class Entry(NamedTuple):
 def classify(name: str, parent: str = "") -> str:
     """The role a file plays, judged from its name and its directory's name."""
     lower = name.lower()
-    ext = os.path.splitext(lower)[1]
-    if TEMP_PATTERN.match(name):
-        return TEMP
+    ext = lower[lower.rfind("."):] if "." in lower else ""
     if ext in IMAGE_EXTENSIONS:
         return IMAGE
+    if TEMP_PATTERN.match(name):
+        return TEMP
     if METADATA_PATTERN.match(name):
         return METADATA
     if ext in CACHE_EXTENSIONS:
@@ -82,61 +83,102 @@ def excluded(path: str, patterns: tuple[str, ...]) -> bool:
                for p in patterns)
 
 
+class Batch(NamedTuple):
+    """Files of one directory, listed by the walk and classified by whoever checks them."""
+
+    directory: str
+    names: tuple[str, ...]
+    dataset: str | None = None
+    bucket: str | None = None
+    area: str = "cache"
+    errors: tuple[tuple[str, str], ...] = ()  # (path, why) for what could not be listed
+
+    def entries(self, exclude: tuple[str, ...] = ()) -> Iterator[Entry]:
+        for path, why in self.errors:
+            yield Entry(path, OTHER, self.dataset, self.bucket, why, self.area)
+        join, directory = os.path.join, self.directory
+        for name in self.names:
+            path = join(directory, name)
+            if exclude and excluded(path, exclude):
+                continue
+            yield Entry(path, classify(name, directory), self.dataset, self.bucket, None, self.area)
+
+
 def walk(root: str, *, dataset: str | None = None, exclude: tuple[str, ...] = (),
-         bucket_from_folders: bool = True, area: str = "cache") -> Iterator[Entry]:
+         area: str = "cache") -> Iterator[Entry]:
     """Every file under `root` (or `root` itself if it is a file), as Entries."""
+    for batch in batches(root, dataset=dataset, area=area):
+        yield from batch.entries(exclude)
+
+
+def batches(root: str, *, dataset: str | None = None, area: str = "cache", size: int = 256,
+            shard: tuple[int, int] | None = None) -> Iterator[Batch]:
+    """The files under `root` in batches of at most `size` names per directory.
+
+    The walk lists directories only: d_type tells files from directories without a syscall,
+    so only symlinks are stat'ed, and files are first touched by the worker that reads them.
+    `shard=(rank, world)` keeps every world-th file in sorted order (the same on every rank).
+    """
     root = os.path.abspath(root)
+    counter = itertools.count()
     try:
         st = os.stat(root)
     except OSError as exc:
-        yield Entry(root, OTHER, dataset, None, describe_os_error(exc), area)
+        yield Batch(os.path.dirname(root), (), dataset, None, area,
+                    ((root, describe_os_error(exc)),))
         return
     if not stat.S_ISDIR(st.st_mode):
-        yield Entry(root, classify(os.path.basename(root), os.path.dirname(root)), dataset, None,
-                    None, area)
+        if shard is None or next(counter) % shard[1] == shard[0]:
+            yield Batch(os.path.dirname(root), (os.path.basename(root),), dataset, None, area)
         return
     seen = {(st.st_dev, st.st_ino)}
     stack = [root]
     while stack:
         directory = stack.pop()
+        bucket = None if directory == root else os.path.relpath(directory, root)
+        names: list[str] = []
+        errors: list[tuple[str, str]] = []
         try:
             with os.scandir(directory) as it:
                 children = list(it)
         except OSError as exc:
-            yield Entry(directory, OTHER, dataset, None, describe_os_error(exc), area)
+            yield Batch(directory, (), dataset, None, area, ((directory, describe_os_error(exc)),))
             continue
-        bucket = _bucket(root, directory) if bucket_from_folders else None
+        if shard is not None:
+            children.sort(key=lambda c: c.name)
         for child in children:
-            path = child.path
-            if exclude and excluded(path, exclude):
-                continue
-            # d_type answers is_dir/is_file without a syscall; only symlinks are stat'ed
             try:
                 is_file, is_dir = child.is_file(), child.is_dir()
             except OSError as exc:  # a symlink loop
-                yield Entry(path, OTHER, dataset, bucket, describe_os_error(exc), area)
+                errors.append((child.path, describe_os_error(exc)))
                 continue
             if is_file:
-                yield Entry(path, classify(child.name, directory), dataset, bucket, None, area)
+                if shard is None or next(counter) % shard[1] == shard[0]:
+                    names.append(child.name)
             elif is_dir:
                 if child.name == STATE_DIR:
                     continue
                 try:
                     cst = child.stat()
                 except OSError as exc:
-                    yield Entry(path, OTHER, dataset, bucket, describe_os_error(exc), area)
+                    errors.append((child.path, describe_os_error(exc)))
                     continue
                 key = (cst.st_dev, cst.st_ino)
                 if key in seen:
                     if child.is_symlink():
-                        yield Entry(path, OTHER, dataset, bucket,
-                                    "symlink loop: points back to a directory already scanned", area)
+                        errors.append((child.path, "symlink loop: points back to a directory "
+                                                   "already scanned"))
                     continue
                 seen.add(key)
-                stack.append(path)
+                stack.append(child.path)
             elif child.is_symlink():  # neither file nor dir: dangling, or a loop
-                yield Entry(path, OTHER, dataset, bucket, _link_error(path), area)
+                errors.append((child.path, _link_error(child.path)))
             # sockets, FIFOs and devices are no cache files and must never be opened
+        if shard is not None and shard[0] != 0:
+            errors = []  # rank 0 reports what could not be listed, once
+        for at in range(0, max(len(names), 1 if errors else 0), size):
+            yield Batch(directory, tuple(names[at : at + size]), dataset, bucket, area,
+                        tuple(errors) if at == 0 else ())
 
 
 def _link_error(path: str) -> str:
@@ -150,9 +192,3 @@ def _link_error(path: str) -> str:
 
 
 
-
-def _bucket(root: str, directory: str) -> str | None:
-    """With no trainer metadata, a sub-folder of the cache dir is a bucket (the root is none)."""
-    if directory == root:
-        return None
-    return os.path.relpath(directory, root)

@@ -30,12 +30,13 @@ class ScanOptions:
     settings: Mapping[str, Mapping[str, Any]] = field(
         default_factory=lambda: MappingProxyType({})
     )  # per-rule thresholds: {"CD201": {"min-ratio": 1.5}}
+    shard: tuple[int, int] | None = None  # (rank, world): check every world-th file only
 
     def __reduce__(self):
         return (
             ScanOptions,
             (self.deep, self.jobs, self.select, self.ignore, self.extend_select, self.exclude,
-             dict(self.severity), {k: dict(v) for k, v in self.settings.items()}),
+             dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard),
         )
 
     def enabled(self, code: str) -> bool:

@@ -1,9 +1,10 @@
 """The one small protocol every rule in checks/ implements.
 
 A rule module holds its explanation as the module docstring and one `RULE = Rule(...)`.
-A rule checks either one file (`check_file(meta, ctx)`, run in the worker processes) or a
-whole dataset (`check_dataset(view, ctx)`, run once after the files are read, over compact
-per-file summaries). Rules never open files: what they know comes from the readers.
+A rule checks one file (`check_file(meta, ctx)`, run in the worker processes, returns its one
+finding or None: it runs for every file, so it must be cheap) and/or a whole dataset
+(`check_dataset(view, ctx)`, run once after the files are read, over compact per-file
+summaries, yields findings). Rules never open files: what they know comes from the readers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cachedoctor.findings import Finding, Severity
 
@@ -21,14 +22,14 @@ if TYPE_CHECKING:
     from cachedoctor.summary import DatasetView
 
 
-@dataclass(frozen=True)
-class RuleContext:
-    """What a rule may know besides its input: the options and the dataset being checked."""
+class RuleContext(NamedTuple):
+    """What a rule may know besides its input: the options and the dataset being checked.
+    (A NamedTuple: one is made per file, so it must be cheap.)"""
 
     deep: bool = False
     dataset: str | None = None
-    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
-    entry: Entry | None = None  # file rules: the file's role, area and mtime from the walk
+    settings: Mapping[str, Mapping[str, Any]] = MappingProxyType({})  # overrides by rule code
+    entry: Entry | None = None  # file rules: the file's role and area from the walk
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Rule:
     doc: str  # the module docstring: What it does / Why is this bad? / Example / Fix
     fix: str | None = None  # repair action: quarantine, compact, to-cpu, reencode; None = manual
     deep: bool = False  # only runs under --deep (reads whole tensors)
-    check_file: Callable[[FileMeta, RuleContext], Iterable[Finding]] | None = None
+    check_file: Callable[[FileMeta, RuleContext], Finding | None] | None = None
     check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # defaults
 

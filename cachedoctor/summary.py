@@ -12,7 +12,7 @@ import marshal
 import re
 import sqlite3
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.inventory import LATENT, TEXT, Entry
@@ -28,8 +28,7 @@ TEXT_KEY = re.compile(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class FileSummary:
+class FileSummary(NamedTuple):
     path: str
     dataset: str | None
     bucket: str | None
@@ -61,7 +60,7 @@ def primary_latent(meta: FileMeta) -> TensorMeta | None:
 
 def content_role(entry_role: str, meta: FileMeta) -> str:
     """Refine a name-based role from what the file holds: dict keys tell embeddings apart."""
-    if entry_role not in (LATENT, TEXT) or not meta.tensors:
+    if entry_role not in (LATENT, TEXT) or not meta.tensors or meta.root == "tensor":
         return entry_role
     keys = " ".join(str(p) for t in meta.tensors for p in t.path if isinstance(p, str))
     if entry_role == LATENT and keys and TEXT_KEY.search(keys) and not any(
@@ -86,19 +85,11 @@ def summarize(entry: Entry, meta: FileMeta) -> FileSummary | None:
             for t in meta.tensors
         ))
     first = latent or meta.tensors[0]
-    return FileSummary(
-        path=entry.path,
-        dataset=entry.dataset,
-        bucket=entry.bucket,
-        role=role,
-        format=meta.format,
-        size=meta.size,
-        mtime=meta.mtime,
-        shape=latent.shape if latent else None,
-        dtype=first.dtype,
-        signature=signature,
-        locations=meta.locations,
-    )
+    tensors = meta.tensors
+    locations = (tensors[0].location,) if len(tensors) == 1 else meta.locations
+    return FileSummary(entry.path, entry.dataset, entry.bucket, role, meta.format, meta.size,
+                       meta.mtime, latent.shape if latent else None, first.dtype, signature,
+                       locations)
 
 
 class SummaryStore:
@@ -128,8 +119,7 @@ def encode(summary: FileSummary) -> tuple[str, bytes]:
 
     marshal (plain tuples, strings and numbers) is faster than pickle and runs no code.
     """
-    fields = tuple(getattr(summary, f) for f in FileSummary.__slots__)
-    return summary.dataset or "", marshal.dumps(fields)
+    return summary.dataset or "", marshal.dumps(tuple(summary))
 
 
 class DatasetView:

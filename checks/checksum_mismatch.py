@@ -23,18 +23,16 @@ again from its image. A lossless repair is impossible: which bit changed is unkn
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if meta.crc_errors:
         more = f" (+{len(meta.crc_errors) - 1} more entries)" if len(meta.crc_errors) > 1 else ""
-        yield RULE.finding(meta.path, meta.crc_errors[0] + more, ctx,
-                           entries=list(meta.crc_errors))
+        return RULE.finding(meta.path, meta.crc_errors[0] + more, ctx,
+                            entries=list(meta.crc_errors))
 
 
 RULE = Rule(

@@ -19,20 +19,18 @@ CD102 error cache/vae/photos/9c0d41.pt  empty file: 0 bytes where a cache entry 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import EMPTY, FileMeta
 from cachedoctor.inventory import LATENT, METADATA, TEXT
 from cachedoctor.rule import Rule, RuleContext
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if meta.format != EMPTY:
-        return
+        return None
     if ctx.entry is not None and ctx.entry.role not in (LATENT, TEXT, METADATA):
-        return  # an empty caption or temp file is CD107's or CD104's
-    yield RULE.finding(meta.path, "empty file: 0 bytes where a cache entry should be", ctx)
+        return None  # an empty caption or temp file is CD107's or CD104's
+    return RULE.finding(meta.path, "empty file: 0 bytes where a cache entry should be", ctx)
 
 
 RULE = Rule(

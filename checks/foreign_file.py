@@ -20,8 +20,6 @@ files back where they belong.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import EMPTY, IMAGE, JSON, TEXT, UNKNOWN, ZIP, FileMeta
 from cachedoctor.inventory import METADATA, TEMP
@@ -37,15 +35,15 @@ WHAT = {
 }
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     entry = ctx.entry
     if meta.format not in WHAT or (entry is not None and entry.area != "cache"):
-        return
+        return None
     if meta.errors or (entry is not None and entry.role in (METADATA, TEMP)):
-        return  # a broken cache file is CD101's; temp and metadata files belong here
+        return None  # a broken cache file is CD101's; temp and metadata files belong here
     if meta.format == EMPTY and entry is not None and entry.role != "other":
-        return  # an empty cache file is CD102's
-    yield RULE.finding(meta.path, WHAT[meta.format], ctx, format=meta.format)
+        return None  # an empty cache file is CD102's
+    return RULE.finding(meta.path, WHAT[meta.format], ctx, format=meta.format)
 
 
 RULE = Rule(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
@@ -35,19 +34,18 @@ ATOMICWRITES_TEMP = re.compile(r"^tmp[a-z0-9_]{8}$")
 RECENT_SECONDS = 600
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     entry = ctx.entry
     if entry is None or entry.role != TEMP:
-        return
+        return None
     name = os.path.basename(entry.path)
     old = max(0.0, time.time() - meta.mtime)
     if name.endswith(".lock"):
         limit = float(RULE.setting(ctx, "stale-lock-seconds"))
         if old < limit:
-            return  # a live writer holds it
-        yield RULE.finding(entry.path, f"stale lock file, {age(old)} old: its writer is gone",
-                           ctx, kind="lock", age_seconds=round(old))
-        return
+            return None  # a live writer holds it
+        return RULE.finding(entry.path, f"stale lock file, {age(old)} old: its writer is gone",
+                            ctx, kind="lock", age_seconds=round(old))
     if ATOMICWRITES_TEMP.match(name):
         what = "temp file of an interrupted atomic write"
     else:
@@ -55,8 +53,8 @@ def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
     message = f"{what}: {meta.size:,} B, {age(old)} old"
     if old < RECENT_SECONDS:
         message += " (recent: a writer may still be running)"
-    yield RULE.finding(entry.path, message, ctx, kind="temp", age_seconds=round(old),
-                       complete=meta.ok and meta.is_tensor_file)
+    return RULE.finding(entry.path, message, ctx, kind="temp", age_seconds=round(old),
+                        complete=meta.ok and meta.is_tensor_file)
 
 
 RULE = Rule(

@@ -20,17 +20,15 @@ the disk. The scan goes on with every other file.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats import UNREADABLE
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if meta.format == UNREADABLE:
-        yield RULE.finding(meta.path, meta.errors[0], ctx)
+        return RULE.finding(meta.path, meta.errors[0], ctx)
 
 
 RULE = Rule(

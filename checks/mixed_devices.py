@@ -35,13 +35,13 @@ from cachedoctor.summary import DatasetView
 MAX_LISTED = 1000
 
 
-def check_file(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     locations = meta.locations
     if len(locations) < 2:
-        return
+        return None
     where = {loc: [t.display_path for t in meta.tensors if t.location == loc] for loc in locations}
     text = ", ".join(f"{loc} ({', '.join(paths[:3])})" for loc, paths in where.items())
-    yield RULE.finding(meta.path, f"tensors on different devices: {text}", ctx, locations=where)
+    return RULE.finding(meta.path, f"tensors on different devices: {text}", ctx, locations=where)
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:

@@ -20,20 +20,18 @@ ideally with the VAE in fp32 or bf16 (`--vae_dtype`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if not meta.nonfinite:
-        return
+        return None
     total = sum(count for _, count in meta.nonfinite)
     where = ", ".join("".join(f"[{p!r}]" for p in path) or "<root>" for path, _ in meta.nonfinite)
-    yield RULE.finding(meta.path, f"{total:,} NaN/Inf values in {where}", ctx,
-                       count=total, tensors={str(list(p)): c for p, c in meta.nonfinite})
+    return RULE.finding(meta.path, f"{total:,} NaN/Inf values in {where}", ctx,
+                        count=total, tensors={str(list(p)): c for p, c in meta.nonfinite})
 
 
 RULE = Rule(

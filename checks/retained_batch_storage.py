@@ -29,8 +29,6 @@ original and then replaces the file, keeping the original in the quarantine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.rule import Rule, RuleContext
@@ -48,7 +46,10 @@ def used_bytes(views: tuple[TensorMeta, ...]) -> int:
     return used
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+    tensors = meta.tensors
+    if len(tensors) == 1 and tensors[0].extent() == (0, tensors[0].storage_bytes or 0):
+        return None  # the common case: one tensor that is its whole storage
     min_ratio = float(RULE.setting(ctx, "min-ratio"))
     min_wasted = int(RULE.setting(ctx, "min-wasted-bytes"))
     stored = used = 0
@@ -63,9 +64,9 @@ def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
             paths.extend(t.display_path for t in views)
     wasted = stored - used
     if not stored or wasted < min_wasted:
-        return
+        return None
     ratio = stored / used if used else float("inf")
-    yield RULE.finding(
+    return RULE.finding(
         meta.path,
         f"stores a whole batch: {stored:,} B for {used:,} B of tensor (x{ratio:.1f}); "
         f"{wasted:,} B wasted",

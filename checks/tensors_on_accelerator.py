@@ -23,19 +23,17 @@ trainers then load it with `map_location` or move it where they need it. Writers
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     off_cpu = [t for t in meta.tensors if t.location != "cpu"]
     if not off_cpu:
-        return
+        return None
     locations = sorted({t.location for t in off_cpu})
-    yield RULE.finding(
+    return RULE.finding(
         meta.path,
         f"tensors stored on {', '.join(locations)} ({len(off_cpu)} of {len(meta.tensors)} "
         "tensors)",

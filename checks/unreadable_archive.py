@@ -28,8 +28,6 @@ missing entry on its next caching pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats import UNREADABLE
 from cachedoctor.formats.meta import EMPTY, FileMeta
@@ -37,14 +35,14 @@ from cachedoctor.inventory import TEMP
 from cachedoctor.rule import Rule, RuleContext
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if not meta.errors or meta.format in (UNREADABLE, EMPTY):
-        return
+        return None
     if ctx.entry is not None and ctx.entry.role == TEMP:
-        return  # a half-written temp file is CD104's, not a broken cache entry
+        return None  # a half-written temp file is CD104's, not a broken cache entry
     container = f"{meta.compression}+{meta.format}" if meta.compression else meta.format
-    yield RULE.finding(meta.path, meta.errors[0], ctx, container=container,
-                       errors=list(meta.errors))
+    return RULE.finding(meta.path, meta.errors[0], ctx, container=container,
+                        errors=list(meta.errors))
 
 
 RULE = Rule(

@@ -25,8 +25,6 @@ a clean entry is encoded from the source image. Never open such a file with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
@@ -35,16 +33,16 @@ DANGEROUS_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__
                      "shutil", "socket", "runpy", "importlib", "pty", "code", "ctypes")
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Iterator[Finding]:
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if not meta.unsafe_globals:
-        return
+        return None
     names = ", ".join(meta.unsafe_globals[:8])
     if len(meta.unsafe_globals) > 8:
         names += f" (+{len(meta.unsafe_globals) - 8} more)"
     code_exec = [g for g in meta.unsafe_globals if g.split(".")[0] in DANGEROUS_MODULES]
     lead = "pickle can run code: " if code_exec else "pickle imports globals outside the tensor allow-list: "
-    yield RULE.finding(meta.path, lead + names, ctx, globals=list(meta.unsafe_globals),
-                       executes_code=bool(code_exec))
+    return RULE.finding(meta.path, lead + names, ctx, globals=list(meta.unsafe_globals),
+                        executes_code=bool(code_exec))
 
 
 RULE = Rule(
