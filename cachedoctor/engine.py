@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from cachedoctor.checks import RULES
 from cachedoctor.findings import Finding, Report
 from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
 from cachedoctor.formats.meta import IMAGE, FileMeta
@@ -37,8 +38,6 @@ class ChunkResult:
 
 
 def selected_rules(options: ScanOptions) -> list[Rule]:
-    from cachedoctor.checks import RULES
-
     return [r for code, r in RULES.items() if options.enabled(code) and (options.deep or not r.deep)]
 
 

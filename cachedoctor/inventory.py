@@ -63,18 +63,20 @@ class Entry(NamedTuple):
 def classify(name: str, parent: str = "") -> str:
     """The role a file plays, judged from its name and its directory's name."""
     lower = name.lower()
-    ext = lower[lower.rfind("."):] if "." in lower else ""
+    ext = lower[lower.rfind(".") :] if "." in lower else ""
+    if ext in CACHE_EXTENSIONS:  # most files: tested first, and no temp pattern has these
+        if lower == "aggregate.pt":
+            return METADATA
+        # OneTrainer keeps text embeds in <cache>/text/<sha>/variation-<n>/<i>.pt
+        if TEXT_PATTERN.match(lower) or TEXT_DIRS.intersection(parent.split(os.sep)[-3:]):
+            return TEXT
+        return LATENT
     if ext in IMAGE_EXTENSIONS:
         return IMAGE
     if TEMP_PATTERN.match(name):
         return TEMP
     if METADATA_PATTERN.match(name):
         return METADATA
-    if ext in CACHE_EXTENSIONS:
-        # OneTrainer keeps text embeds in <cache>/text/<sha>/variation-<n>/<i>.pt
-        if TEXT_PATTERN.match(lower) or TEXT_DIRS.intersection(parent.split(os.sep)[-3:]):
-            return TEXT
-        return LATENT
     return OTHER
 
 

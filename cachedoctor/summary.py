@@ -45,7 +45,7 @@ class FileSummary(NamedTuple):
 def primary_latent(meta: FileMeta) -> TensorMeta | None:
     """The tensor that is the latent: a bare tensor, a known key, or the only 3-D+ tensor."""
     tensors = meta.tensors
-    if len(tensors) == 1 and tensors[0].path == ():
+    if len(tensors) == 1 and (tensors[0].path == () or len(tensors[0].shape) >= 3):
         return tensors[0]
     by_key = {t.path[-1]: t for t in tensors if len(t.path) == 1 and isinstance(t.path[0], str)}
     for key in LATENT_KEYS:
@@ -58,13 +58,25 @@ def primary_latent(meta: FileMeta) -> TensorMeta | None:
     return big[0] if len(big) == 1 else None
 
 
+_TEXT_KEYS: dict[str, bool] = {}  # key -> is a text-encoder key; keys repeat across a cache
+
+
+def _is_text_key(key: str) -> bool:
+    known = _TEXT_KEYS.get(key)
+    if known is None:
+        known = bool(TEXT_KEY.search(key)) and not key.startswith(LATENT_KEYS)
+        if len(_TEXT_KEYS) < 4096:
+            _TEXT_KEYS[key] = known
+    return known
+
+
 def content_role(entry_role: str, meta: FileMeta) -> str:
     """Refine a name-based role from what the file holds: dict keys tell embeddings apart."""
-    if entry_role not in (LATENT, TEXT) or not meta.tensors or meta.root == "tensor":
+    if entry_role != LATENT or meta.root == "tensor" or not meta.tensors:
         return entry_role
-    keys = " ".join(str(p) for t in meta.tensors for p in t.path if isinstance(p, str))
-    if entry_role == LATENT and keys and TEXT_KEY.search(keys) and not any(
-        k in keys for k in LATENT_KEYS
+    keys = [p for t in meta.tensors for p in t.path[:1] if isinstance(p, str)]
+    if keys and any(_is_text_key(k) for k in keys) and not any(
+        k.startswith(LATENT_KEYS) for k in keys
     ):
         return TEXT
     return entry_role

@@ -36,6 +36,8 @@ MAX_LISTED = 1000
 
 
 def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+    if len(meta.tensors) < 2:
+        return None
     locations = meta.locations
     if len(locations) < 2:
         return None

@@ -28,7 +28,7 @@ CD_ENTRY = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes
 LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
 # Just the fields the parser uses: method, crc, sizes, name/extra/comment lengths, offset.
 CD_FIELDS = struct.Struct("<4x6xH4xIIIHHH8xI")
-LOCAL_LENGTHS = struct.Struct("<HH")
+LOCAL_HEAD = struct.Struct("<4s22xHH")  # signature, name and extra lengths
 MAX_ENTRIES = 1_000_000
 MAX_WHOLE_ENTRY = 1 << 30
 CHUNK = 1 << 20  # an entry read whole (--deep) beyond this is refused, not inflated
@@ -101,35 +101,55 @@ def _truncation_message(src: Source) -> str:
 
 
 def read_directory(src: Source) -> ZipDirectory:
-    """Parse the central directory of the zip in `src`; raise ZipError if it is broken."""
-    if src.size < EOCD.size:
+    """Parse the central directory of the zip in `src`; raise ZipError if it is broken.
+
+    Runs once per file of a scan, so it parses in place: offsets into the whole file when it
+    is in memory (small files), else into the cached tail window, which holds the end records
+    and the directory of any torch file.
+    """
+    size = src.size
+    if size < EOCD.size:
         raise ZipError(_truncation_message(src))
-    eocd_at, raw = _find_eocd(src)
+    whole = src.buffer
+    if whole is not None:
+        base, tail = 0, whole
+    else:
+        base = max(0, size - 64 * 1024)
+        tail = src.pread(base, size - base)
+    at = size - EOCD.size - base
+    if tail[at : at + 4] == EOCD_SIG and tail[at + 20 : at + 22] == b"\0\0":
+        eocd_at, raw = size - EOCD.size, tail[at : at + EOCD.size]
+    else:  # an archive comment, or garbage after the archive
+        eocd_at, raw = _find_eocd(src)
     _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment_len = EOCD.unpack(raw)
-    trailing = max(0, src.size - (eocd_at + EOCD.size + comment_len))
+    trailing = max(0, size - (eocd_at + EOCD.size + comment_len))
     if disk != 0 or cd_disk != 0 or n_disk != n_total:
         raise ZipError("multi-disk zip archives are not supported")
     # torch always writes zip64 records; when present they hold the real counts and offsets.
-    loc = src.pread(eocd_at - ZIP64_LOCATOR.size, ZIP64_LOCATOR.size) if eocd_at >= 20 else b""
-    if len(loc) == ZIP64_LOCATOR.size and loc[:4] == ZIP64_LOCATOR_SIG:
+    loc_at = eocd_at - ZIP64_LOCATOR.size
+    loc = tail[loc_at - base : eocd_at - base] if loc_at >= base else src.pread(loc_at, 20)
+    if loc_at >= 0 and loc[:4] == ZIP64_LOCATOR_SIG and len(loc) == ZIP64_LOCATOR.size:
         z64_at = ZIP64_LOCATOR.unpack(loc)[2]
-        rec = src.pread(z64_at, ZIP64_EOCD.size)
+        rec = (tail[z64_at - base : z64_at - base + ZIP64_EOCD.size] if z64_at >= base
+               else src.pread(z64_at, ZIP64_EOCD.size))
         if len(rec) < ZIP64_EOCD.size or rec[:4] != ZIP64_EOCD_SIG:
             raise ZipError(f"zip64 end record missing at offset {z64_at:,}")
         _, _, _, _, _, _, _, n_total, cd_size, cd_offset = ZIP64_EOCD.unpack(rec)
     if n_total > MAX_ENTRIES:
         raise ZipError(f"central directory claims {n_total:,} entries")
-    if cd_offset + cd_size > src.size:
+    if cd_offset + cd_size > size:
         raise ZipError(
             f"central directory at offset {cd_offset:,} (+{cd_size:,} bytes) runs past the end "
-            f"of the file at {src.size:,} bytes"
+            f"of the file at {size:,} bytes"
         )
-    cd = src.pread(cd_offset, cd_size)
+    if cd_offset >= base:
+        cd, pos = tail, cd_offset - base
+    else:
+        cd, pos = src.pread(cd_offset, cd_size), 0
+    end = pos + cd_size
     entries = []
-    pos = 0
-    local = src.buffer  # the whole file when it is small: local headers need no further reads
     for index in range(n_total):
-        if cd[pos : pos + 4] != CD_SIG or pos + CD_ENTRY.size > len(cd):
+        if cd[pos : pos + 4] != CD_SIG or pos + CD_ENTRY.size > end:
             raise ZipError(f"central directory entry {index} is damaged (bad signature)")
         method, crc, csize, usize, nlen, xlen, clen, lho = CD_FIELDS.unpack_from(cd, pos)
         at = pos + CD_ENTRY.size
@@ -137,10 +157,13 @@ def read_directory(src: Source) -> ZipDirectory:
         if 0xFFFFFFFF in (usize, csize, lho):
             usize, csize, lho = _zip64_sizes(cd[at + nlen : at + nlen + xlen], usize, csize, lho)
         pos = at + nlen + xlen + clen
-        head = local[lho : lho + LOCAL.size] if local is not None else src.pread(lho, LOCAL.size)
-        if head[:4] != LOCAL_SIG or len(head) < LOCAL.size:
+        if whole is not None and lho + LOCAL.size <= size:
+            sig, lnlen, lxlen = LOCAL_HEAD.unpack_from(whole, lho)
+        else:
+            head = src.pread(lho, LOCAL.size)
+            sig, lnlen, lxlen = LOCAL_HEAD.unpack(head) if len(head) == LOCAL.size else (b"", 0, 0)
+        if sig != LOCAL_SIG:
             raise ZipError(f"entry '{name}': no local header at offset {lho:,}")
-        lnlen, lxlen = LOCAL_LENGTHS.unpack_from(head, 26)
         data_at = lho + LOCAL.size + lnlen + lxlen
         if data_at + csize > cd_offset:
             raise ZipError(
