@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cachedoctor import __version__
+
+if TYPE_CHECKING:
+    from cachedoctor.rule import Rule
 
 app = typer.Typer(
     add_completion=False,
@@ -122,14 +126,27 @@ class _Progress:
 
 
 @app.command()
-def rules() -> None:
+def rules(
+    markdown: Annotated[bool, typer.Option("--markdown", help="A Markdown table (the README's).")] = False,
+) -> None:
     """List every rule: code, name, default severity, fix."""
     from cachedoctor.checks import RULES
 
+    if markdown:
+        typer.echo(rules_table(RULES.values()))
+        return
     for rule in RULES.values():
         deep = " (--deep)" if rule.deep else ""
         typer.echo(f"{rule.code}  {rule.name:<32} {rule.severity!s:<8} {rule.fix or '-':<11} "
                    f"{rule.summary}{deep}")
+
+
+def rules_table(rules: Iterable[Rule]) -> str:
+    lines = ["| code | name | severity | fires when | fix |", "|---|---|---|---|---|"]
+    for rule in rules:
+        when = rule.summary + (" (`--deep`)" if rule.deep and "--deep" not in rule.summary else "")
+        lines.append(f"| {rule.code} | {rule.name} | {rule.severity} | {when} | {rule.fix or 'manual'} |")
+    return "\n".join(lines)
 
 
 @app.command()

@@ -127,6 +127,54 @@ def count_files(layouts: Iterable[Layout], options: ScanOptions) -> int:
     return sum(len(b.names) + len(b.errors) for b in plan(layouts, options))
 
 
+@dataclass
+class FilePhase:
+    """What reading every file gave: file findings, counts, and the summaries for the
+    dataset rules (in a SummaryStore the caller closes)."""
+
+    findings: list[Finding]
+    files: int
+    bytes: int
+    store: SummaryStore
+
+
+def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rule],
+                    on_progress: Callable[[int], None] | None = None) -> FilePhase:
+    phase = FilePhase([], 0, 0, SummaryStore())
+    for result in check_files(plan(layouts, options), options, rules):
+        phase.files += result.files
+        phase.bytes += result.bytes
+        phase.findings.extend(result.findings)
+        phase.store.add_blobs(result.summaries)
+        if on_progress is not None:
+            on_progress(result.files)
+    return phase
+
+
+def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule]) -> list[Finding]:
+    """The dataset rules, over every summary in `store` (all ranks' when sharded)."""
+    findings: list[Finding] = []
+    for dataset in store.datasets():
+        view = store.view(dataset)
+        ctx = RuleContext(options.deep, dataset or None, options.settings)
+        for rule in rules:
+            if rule.check_dataset is not None:
+                findings.extend(rule.check_dataset(view, ctx))
+    return findings
+
+
+def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list[Finding],
+                 files: int, nbytes: int, options: ScanOptions) -> Report:
+    return Report.build(
+        targets,
+        [_with_severity(f, options) for f in findings],
+        files,
+        nbytes,
+        datasets=[d.id for lay in layouts for d in lay.datasets],
+        trainers=sorted({lay.trainer for lay in layouts}),
+    )
+
+
 def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
          on_start: Callable[[int | None], None] | None = None,
          on_progress: Callable[[int], None] | None = None) -> Report:
@@ -137,34 +185,12 @@ def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
     rules = selected_rules(options)
     if on_start is not None:
         on_start(count_files(layouts, options))
-    findings: list[Finding] = []
-    files = nbytes = 0
-    store = SummaryStore()
+    phase = check_all_files(layouts, options, rules, on_progress)
     try:
-        for result in check_files(plan(layouts, options), options, rules):
-            files += result.files
-            nbytes += result.bytes
-            findings.extend(result.findings)
-            store.add_blobs(result.summaries)
-            if on_progress is not None:
-                on_progress(result.files)
-        for dataset in store.datasets():
-            view = store.view(dataset)
-            for rule in rules:
-                if rule.check_dataset is not None:
-                    ctx = RuleContext(options.deep, dataset or None, options.settings)
-                    findings.extend(rule.check_dataset(view, ctx))
+        findings = phase.findings + check_datasets(phase.store, options, rules)
     finally:
-        store.close()
-    findings = [_with_severity(f, options) for f in findings]
-    return Report.build(
-        targets,
-        findings,
-        files,
-        nbytes,
-        datasets=[d.id for lay in layouts for d in lay.datasets],
-        trainers=sorted({lay.trainer for lay in layouts}),
-    )
+        phase.store.close()
+    return build_report(targets, layouts, findings, phase.files, phase.bytes, options)
 
 
 def _with_severity(finding: Finding, options: ScanOptions) -> Finding:

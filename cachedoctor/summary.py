@@ -116,6 +116,10 @@ class SummaryStore:
     def add_blobs(self, rows: list[tuple[str, bytes]]) -> None:
         self._db.executemany("INSERT INTO s VALUES (?, ?)", rows)
 
+    def rows(self) -> Iterator[tuple[str, bytes]]:
+        """Every (dataset, summary) row, to ship to another process (sharded preflight)."""
+        yield from self._db.execute("SELECT dataset, blob FROM s ORDER BY rowid")
+
     def datasets(self) -> list[str]:
         return [d for (d,) in self._db.execute("SELECT DISTINCT dataset FROM s ORDER BY dataset")]
 
