@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+
 from conftest import run_cli, scan_paths
 
 torch = pytest.importorskip("torch")
