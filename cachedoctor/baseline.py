@@ -81,6 +81,9 @@ class Baseline:
             if data.get("version") != VERSION:
                 raise BaselineError(f"{path}: baseline version {data.get('version')!r}, "
                                     f"expected {VERSION}")
+        except FileNotFoundError:
+            raise BaselineError(f"cannot read baseline {path}: no such file (write it with "
+                                "--write-baseline)") from None
         except OSError as exc:
             raise BaselineError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
