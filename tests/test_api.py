@@ -82,7 +82,7 @@ def test_bad_options_raise_clear_errors(broken: Path) -> None:
         cachedoctor.scan(broken, select=["CD9"], isolated=True)
     with pytest.raises(cachedoctor.ConfigError, match="fail-on: expected one of"):
         cachedoctor.preflight(broken, fail_on="sometimes", isolated=True)
-    with pytest.raises(cachedoctor.ConfigError, match="rules.CD201.min-ratio: expected float"):
+    with pytest.raises(cachedoctor.ConfigError, match=r"rules\.CD201\.min-ratio: expected float"):
         cachedoctor.scan(broken, rules={"CD201": {"min-ratio": "high"}}, isolated=True)
     with pytest.raises(TypeError):
         cachedoctor.scan(broken, selct=["CD1"])
