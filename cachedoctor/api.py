@@ -60,8 +60,12 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
                    severity: Mapping[str, Any] | None = None,
                    rules: Mapping[str, Mapping[str, Any]] | None = None,
                    config: str | os.PathLike | None = None, isolated: bool = False,
-                   jobs: int | None = None) -> configuration.Policy:
-    """The Policy the keyword options and the config file make (raises ConfigError)."""
+                   jobs: int | None = None, overrides: Iterable[configuration.Config] = (),
+                   source: str = "arguments") -> configuration.Policy:
+    """The Policy the keyword options and the config file make (raises ConfigError).
+
+    The options are the top layer, over `overrides` (`--config 'KEY = VALUE'`), over the file.
+    """
     given = {
         "select": _codes(select),
         "ignore": _codes(ignore),
@@ -76,11 +80,11 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
     table = {key: value for key, value in given.items() if value not in (None, {})}
     if isinstance(table.get("exclude"), tuple):
         table["exclude"] = list(table["exclude"])
-    policy = configuration.policy(configuration.parse(table, "arguments"), config=config,
-                                  isolated=isolated)
+    policy = configuration.policy(configuration.parse(table, source), config=config,
+                                  isolated=isolated, overrides=overrides)
     if jobs is not None:
         if jobs < 1:
-            raise configuration.ConfigError("arguments: jobs must be at least 1")
+            raise configuration.ConfigError(f"{source}: jobs must be at least 1")
         policy = dataclasses.replace(policy, options=dataclasses.replace(policy.options, jobs=jobs))
     return policy
 

@@ -33,11 +33,6 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
-def _codes(values: list[str] | None) -> tuple[str, ...]:
-    """`--select CD1,CD201 --select CD5` -> ("CD1", "CD201", "CD5")."""
-    return tuple(c.strip().upper() for v in values or () for c in v.split(",") if c.strip())
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"cachedoctor {__version__}")
@@ -89,26 +84,23 @@ def scan(
 
     from cachedoctor import baseline as baselines
     from cachedoctor import config as configuration
+    from cachedoctor.api import resolve_policy
     from cachedoctor.engine import scan as run_scan
     from cachedoctor.layouts import TargetError
 
-    flags = {"select": _codes(select), "extend-select": _codes(extend_select),
-             "ignore": _codes(ignore), "exclude": exclude, "deep": deep, "fail-on": fail_on,
-             "baseline": str(baseline) if baseline else None}
     try:
         config_file, overrides = _config_args(config or [])
-        policy = configuration.policy(
-            configuration.parse({k: list(v) if isinstance(v, tuple) else v
-                                 for k, v in flags.items() if v not in (None, ())}, "command line"),
-            config=config_file, isolated=isolated, overrides=overrides)
+        policy = resolve_policy(
+            select=select, extend_select=extend_select, ignore=ignore, exclude=exclude, deep=deep,
+            fail_on=fail_on, baseline=baseline, jobs=jobs, config=config_file, isolated=isolated,
+            overrides=overrides, source="command line")
         known = None
         if policy.baseline and write_baseline is None:
             known = baselines.Baseline.load(policy.baseline)
     except (configuration.ConfigError, baselines.BaselineError) as exc:
         raise fail(str(exc)) from None
     reporter = REPORTERS[fmt]
-    options = dataclasses.replace(policy.options, keep_paths=getattr(reporter, "NEEDS_PATHS", False),
-                                  **({"jobs": jobs} if jobs is not None else {}))
+    options = dataclasses.replace(policy.options, keep_paths=getattr(reporter, "NEEDS_PATHS", False))
     progress = _Progress() if (fmt == "text" or output) and sys.stderr.isatty() else None
     try:
         report = run_scan(
