@@ -57,7 +57,6 @@ def _frozen() -> Mapping:
 class Config:
     """One layer of policy. None (or empty) means "not set here": a lower layer decides."""
 
-    source: str | None = None  # the file (or "--config", "command line") it came from
     selection: tuple[Selection, ...] = ()
     exclude: tuple[str, ...] = ()  # globs; relative ones with a / made absolute
     fail_on: str | None = None
@@ -72,7 +71,6 @@ class Config:
         for code, values in self.rules.items():
             rules.setdefault(code, {}).update(values)
         return Config(
-            source=self.source,
             selection=(*lower.selection, *self.selection),
             exclude=(*lower.exclude, *self.exclude),
             fail_on=self.fail_on if self.fail_on is not None else lower.fail_on,
@@ -90,7 +88,6 @@ class Policy:
     options: ScanOptions
     fail_on: str = "error"
     baseline: str | None = None
-    config_file: str | None = None  # the file the policy came from, if any
 
 
 def find(start: str | os.PathLike | None = None) -> Path | None:
@@ -159,7 +156,6 @@ def parse(table: Any, source: str, prefix: str = "", base: str | None = None) ->
     if baseline is not None and not isinstance(baseline, str):
         raise error("baseline", f"expected a path, got {baseline!r}")
     return Config(
-        source=source,
         selection=(selection,) if selection != Selection() else (),
         exclude=anchor(_strings(table, "exclude", error), base),
         fail_on=fail_on,
@@ -281,6 +277,5 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
         severity=merged.severity,
         settings=merged.rules,
     )
-    return Policy(options, merged.fail_on or "error", merged.baseline,
-                  str(path) if path is not None else None)
+    return Policy(options, merged.fail_on or "error", merged.baseline)
 

@@ -93,6 +93,7 @@ def test_select_and_ignore_flags(tmp_path: Path, monkeypatch) -> None:
     assert codes("--select", "CD10", "--ignore", "CD107") == {"CD102", "CD104"}
     assert codes("--select", "cd102,CD107") == {"CD102", "CD107"}
     assert codes("--ignore", "CD1", "--extend-select", "CD104") == {"CD104"}
+    assert codes("--ignore", "CD") == set()
 
 
 def _pyproject(directory: Path, body: str) -> Path:

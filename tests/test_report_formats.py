@@ -132,6 +132,16 @@ def test_junit_counts_clean_files_as_passing_cases(broken: Path) -> None:
     assert all(not list(c) for c in root.iter("testcase"))
 
 
+def test_junit_lists_files_read_by_worker_processes(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b", "c", "d"):  # a batch per directory: enough batches for a pool
+        (tmp_path / "cache" / name).mkdir(parents=True)
+        (tmp_path / "cache" / name / "notes.md").write_text("x")
+    result = invoke("scan", "cache", "--format", "junit", "--isolated", "-j", "2", "--ignore", "CD107")
+    names = sorted(c.get("file") for c in ET.fromstring(result.stdout).iter("testcase"))
+    assert names == [f"cache/{n}/notes.md" for n in "abcd"]
+
+
 def test_junit_survives_control_characters_in_names(tmp_path: Path) -> None:
     finding = Finding("CD102", "empty-file", Severity.ERROR, str(tmp_path / "a\x01b.pt"), "bad \x1b[31m")
     root = ET.fromstring(_render(junit, Report.build((), [finding], 1, 0), cwd=str(tmp_path)))
