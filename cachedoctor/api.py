@@ -70,7 +70,7 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
         "select": _codes(select),
         "ignore": _codes(ignore),
         "extend-select": _codes(extend_select),
-        "exclude": [exclude] if isinstance(exclude, str) else exclude,
+        "exclude": [exclude] if isinstance(exclude, str) else None if exclude is None else list(exclude),
         "deep": deep,
         "fail-on": fail_on,
         "baseline": os.fspath(baseline) if baseline is not None else None,
@@ -78,8 +78,6 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
         "rules": {code: dict(values) for code, values in (rules or {}).items()},
     }
     table = {key: value for key, value in given.items() if value not in (None, {})}
-    if isinstance(table.get("exclude"), tuple):
-        table["exclude"] = list(table["exclude"])
     policy = configuration.policy(configuration.parse(table, source), config=config,
                                   isolated=isolated, overrides=overrides)
     if jobs is not None:
