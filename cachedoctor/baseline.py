@@ -76,17 +76,16 @@ class Baseline:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-            entries = data["findings"]
-            counts = Counter(str(e["fingerprint"]) for e in entries)
             if data.get("version") != VERSION:
                 raise BaselineError(f"{path}: baseline version {data.get('version')!r}, "
                                     f"expected {VERSION}")
+            counts = Counter(str(e["fingerprint"]) for e in data["findings"])
         except FileNotFoundError:
             raise BaselineError(f"cannot read baseline {path}: no such file (write it with "
                                 "--write-baseline)") from None
         except OSError as exc:
             raise BaselineError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BaselineError(f"{path}: not a cachedoctor baseline ({type(exc).__name__}: "
                                 f"{exc})") from None
         return cls(os.path.dirname(os.path.abspath(path)), counts)
@@ -126,8 +125,7 @@ def write(report: Report, path: str) -> int:
     )
     document = {"version": VERSION, "tool": {"name": "cachedoctor", "version": __version__},
                 "findings": entries}
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(base, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(document, f, indent=2, ensure_ascii=False)
         f.write("\n")

@@ -182,7 +182,7 @@ def _strings(table: dict, key: str, error) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _codes() -> dict:
+def _rules() -> dict:
     from cachedoctor.checks import RULES
 
     return RULES
@@ -191,14 +191,14 @@ def _codes() -> dict:
 def _selectors(table: dict, key: str, error) -> tuple[str, ...]:
     selectors = tuple(s.strip().upper() for s in _strings(table, key, error))
     for selector in selectors:
-        if not any(code.startswith(selector) for code in _codes()):
+        if not any(code.startswith(selector) for code in _rules()):
             raise error(key, f"{selector!r} is no rule code or prefix (`cachedoctor rules` "
                              "lists them)")
     return selectors
 
 
 def _rule(code: Any, key: str, error):
-    rule = _codes().get(str(code).upper())
+    rule = _rules().get(str(code).upper())
     if rule is None:
         raise error(key, f"no rule {code!r} (`cachedoctor rules` lists them)")
     return rule
@@ -268,7 +268,7 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
     merged = load(path) if path is not None else Config()
     for layer in (*overrides, flags or Config()):
         merged = layer.over(merged)
-    codes = list(_codes())
+    codes = list(_rules())
     enabled = resolve_selection(merged.selection, codes)
     options = ScanOptions(
         deep=bool(merged.deep),

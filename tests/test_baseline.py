@@ -92,6 +92,7 @@ def test_baseline_from_the_config_file_is_relative_to_it(project: Path, monkeypa
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read baseline"),
     ("{not json", "not a cachedoctor baseline"),
+    ("[]", "not a cachedoctor baseline"),
     ('{"version": 9, "findings": []}', "baseline version 9"),
     ('{"version": 1, "findings": [{"code": "CD101"}]}', "not a cachedoctor baseline"),
 ])
