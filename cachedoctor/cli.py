@@ -33,11 +33,6 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
-def _codes(values: list[str] | None) -> tuple[str, ...]:
-    """`--select CD1,CD201 --select CD5` -> ("CD1", "CD201", "CD5")."""
-    return tuple(c.strip().upper() for v in values or () for c in v.split(",") if c.strip())
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"cachedoctor {__version__}")
@@ -55,13 +50,25 @@ def _root(
 @app.command()
 def scan(
     targets: Annotated[list[str], typer.Argument(help="Cache dirs, cache files, trainer configs or project folders.")],
-    fmt: Annotated[str, typer.Option("--format", help="text | json")] = "text",
-    fail_on: Annotated[str, typer.Option(help="Exit 1 on findings at or above: error|warning|info|never.")] = "error",
-    deep: Annotated[bool, typer.Option(help="Read whole tensors: CRC32 of every entry, NaN/Inf.")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="text | json | sarif | github | junit")] = "text",
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the report to this file; the terminal gets the summary.")] = None,
+    fail_on: Annotated[str | None, typer.Option(
+        help="Exit 1 on findings at or above: error|warning|info|never (default: error).")] = None,
+    deep: Annotated[bool | None, typer.Option(
+        "--deep/--no-deep", help="Read whole tensors: CRC32 of every entry, NaN/Inf.")] = None,
     jobs: Annotated[int | None, typer.Option("-j", "--jobs", help="Worker processes (default: one per core).")] = None,
     select: Annotated[list[str] | None, typer.Option(help="Only these codes or prefixes (CD1, CD201).")] = None,
+    extend_select: Annotated[list[str] | None, typer.Option(help="Codes or prefixes to add to the selection.")] = None,
     ignore: Annotated[list[str] | None, typer.Option(help="Skip these codes or prefixes.")] = None,
     exclude: Annotated[list[str] | None, typer.Option(help="Skip paths matching this glob.")] = None,
+    baseline: Annotated[Path | None, typer.Option(
+        help="Report only findings this baseline file does not record.")] = None,
+    write_baseline: Annotated[Path | None, typer.Option(
+        help="Record every finding in this baseline file; exit 0.")] = None,
+    config: Annotated[list[str] | None, typer.Option(
+        "--config", help="A config file, or a TOML 'KEY = VALUE' override (repeatable).")] = None,
+    isolated: Annotated[bool, typer.Option(help="Ignore every config file.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
@@ -69,19 +76,32 @@ def scan(
 
     if fmt not in REPORTERS:
         raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(REPORTERS)}")
-    if fail_on not in ("error", "warning", "info", "never"):
+    if fail_on is not None and fail_on not in ("error", "warning", "info", "never"):
         raise fail(f"unknown --fail-on {fail_on!r}: expected error, warning, info or never")
     if jobs is not None and jobs < 1:
         raise fail("--jobs must be at least 1")
+    import dataclasses
+
+    from cachedoctor import baseline as baselines
+    from cachedoctor import config as configuration
+    from cachedoctor.api import resolve_policy
     from cachedoctor.engine import scan as run_scan
     from cachedoctor.layouts import TargetError
-    from cachedoctor.options import ScanOptions
 
-    options = ScanOptions(deep=deep, select=_codes(select), ignore=_codes(ignore),
-                          exclude=tuple(exclude or ()))
-    if jobs is not None:
-        options = ScanOptions(**{**options.__dict__, "jobs": jobs})
-    progress = _Progress() if fmt == "text" and sys.stderr.isatty() else None
+    try:
+        config_file, overrides = _config_args(config or [])
+        policy = resolve_policy(
+            select=select, extend_select=extend_select, ignore=ignore, exclude=exclude, deep=deep,
+            fail_on=fail_on, baseline=baseline, jobs=jobs, config=config_file, isolated=isolated,
+            overrides=overrides, source="command line")
+        known = None
+        if policy.baseline and write_baseline is None:
+            known = baselines.Baseline.load(policy.baseline)
+    except (configuration.ConfigError, baselines.BaselineError) as exc:
+        raise fail(str(exc)) from None
+    reporter = REPORTERS[fmt]
+    options = dataclasses.replace(policy.options, keep_paths=getattr(reporter, "NEEDS_PATHS", False))
+    progress = _Progress() if (fmt == "text" or output) and sys.stderr.isatty() else None
     try:
         report = run_scan(
             targets,
@@ -94,8 +114,47 @@ def scan(
     finally:
         if progress:
             progress.stop()
-    REPORTERS[fmt].render(report, sys.stdout, verbose=verbose, color=sys.stdout.isatty())
-    raise typer.Exit(report.exit_code(fail_on))
+    if write_baseline is not None:
+        try:
+            count = baselines.write(report, str(write_baseline))
+        except OSError as exc:
+            raise fail(f"cannot write baseline {write_baseline}: {exc.strerror or exc}") from None
+        typer.echo(f"cachedoctor: recorded {count:,} findings in {write_baseline}", err=True)
+    elif known is not None:
+        result = known.apply(report)
+        report = result.report
+        if result.known or result.fixed:
+            typer.echo(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
+                       f"not shown, {result.fixed:,} of its entries no longer found", err=True)
+    _emit(report, reporter, output, verbose)
+    raise typer.Exit(0 if write_baseline is not None else report.exit_code(policy.fail_on))
+
+
+def _config_args(values: list[str]) -> tuple[str | None, list]:
+    """`--config` values: at most one file (a path that exists), the rest TOML overrides."""
+    from cachedoctor import config as configuration
+
+    files = [v for v in values if os.path.isfile(v)]
+    if len(files) > 1:
+        raise configuration.ConfigError(f"--config: one config file at most, got {', '.join(files)}")
+    overrides = [configuration.override(v) for v in values if v not in files]
+    return (files[0] if files else None), overrides
+
+
+def _emit(report, reporter, output: Path | None, verbose: bool) -> None:
+    """The report to stdout, or to `output` with a short summary on the terminal."""
+    if output is None:
+        reporter.render(report, sys.stdout, verbose=verbose, color=sys.stdout.isatty())
+        return
+    from cachedoctor.reporters.text import brief
+
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with open(output, "w", encoding="utf-8") as out:
+            reporter.render(report, out, verbose=verbose, color=False)
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
+    typer.echo(f"{brief(report)}\nReport written to {output}")
 
 
 class _Progress:
@@ -157,14 +216,15 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code (CD201) or nam
     rule = get(code)
     if rule is None:
         raise fail(f"no rule {code!r}; `cachedoctor rules` lists them ({', '.join(RULES)})")
-    header = f"{rule.code} {rule.name} ({rule.severity}; fix: {rule.fix or 'none, manual'})"
+    from cachedoctor.rule_docs import heading, page
+
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.markdown import Markdown
 
-        Console().print(Markdown(f"# {header}\n\n{rule.doc}"))
+        Console().print(Markdown(page(rule)))
     else:
-        typer.echo(f"{header}\n\n{rule.doc.strip()}")
+        typer.echo(f"{heading(rule)}\n\n{rule.doc.strip()}")
 
 
 DEMO_MARKER = Path(".cachedoctor") / "demo"

@@ -36,6 +36,7 @@ class ChunkResult:
     bytes: int
     findings: list[Finding]
     summaries: list[tuple[str, bytes]]
+    paths: list[str]  # every file checked, when ScanOptions.keep_paths
 
 
 def selected_rules(options: ScanOptions) -> list[Rule]:
@@ -76,11 +77,14 @@ def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> ChunkR
 def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> ChunkResult:
     findings: list[Finding] = []
     summaries = []
+    paths: list[str] = []
     nbytes = files = 0
     checks = [r.check_file for r in rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     for entry in batch.entries(options.exclude):
         files += 1
+        if options.keep_paths:
+            paths.append(entry.path)
         meta = read_entry(entry, deep)
         nbytes += meta.size
         ctx = RuleContext(deep, entry.dataset, settings, entry)
@@ -91,7 +95,7 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> Chunk
         summary = summarize(entry, meta)
         if summary is not None:
             summaries.append(encode(summary))
-    return ChunkResult(files, nbytes, findings, summaries)
+    return ChunkResult(files, nbytes, findings, summaries, paths)
 
 
 # The pool's workers get the options and rules once, at start-up, not with every batch.
@@ -150,6 +154,7 @@ class FilePhase:
     files: int
     bytes: int
     store: SummaryStore
+    paths: list[str] = dataclasses.field(default_factory=list)  # when options.keep_paths
 
 
 def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rule],
@@ -159,6 +164,7 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
         phase.files += result.files
         phase.bytes += result.bytes
         phase.findings.extend(result.findings)
+        phase.paths.extend(result.paths)
         phase.store.add_blobs(result.summaries)
         if on_progress is not None:
             on_progress(result.files)
@@ -178,7 +184,8 @@ def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule])
 
 
 def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list[Finding],
-                 files: int, nbytes: int, options: ScanOptions) -> Report:
+                 files: int, nbytes: int, options: ScanOptions,
+                 paths: Iterable[str] = ()) -> Report:
     return Report.build(
         targets,
         [_with_severity(f, options) for f in findings],
@@ -186,6 +193,7 @@ def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list
         nbytes,
         datasets=[d.id for lay in layouts for d in lay.datasets],
         trainers=sorted({lay.trainer for lay in layouts}),
+        checked=paths,
     )
 
 
@@ -204,7 +212,7 @@ def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
         findings = phase.findings + check_datasets(phase.store, options, rules)
     finally:
         phase.store.close()
-    return build_report(targets, layouts, findings, phase.files, phase.bytes, options)
+    return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)
 
 
 def _with_severity(finding: Finding, options: ScanOptions) -> Finding:

@@ -110,12 +110,15 @@ class Report:
     bytes: int
     datasets: tuple[str, ...] = ()
     trainers: tuple[str, ...] = ()
+    checked: tuple[str, ...] = ()  # every file checked, sorted; only with ScanOptions.keep_paths
 
     @classmethod
     def build(cls, targets: Iterable[str], findings: Iterable[Finding], files: int, nbytes: int,
-              datasets: Iterable[str] = (), trainers: Iterable[str] = ()) -> Report:
+              datasets: Iterable[str] = (), trainers: Iterable[str] = (),
+              checked: Iterable[str] = ()) -> Report:
         ordered = tuple(sorted(findings, key=lambda f: f.sort_key))
-        return cls(tuple(targets), ordered, files, nbytes, tuple(datasets), tuple(trainers))
+        return cls(tuple(targets), ordered, files, nbytes, tuple(datasets), tuple(trainers),
+                   tuple(sorted(checked)))
 
     def count(self, severity: Severity) -> int:
         return sum(1 for f in self.findings if f.severity == severity)

@@ -31,12 +31,14 @@ class ScanOptions:
         default_factory=lambda: MappingProxyType({})
     )  # per-rule thresholds: {"CD201": {"min-ratio": 1.5}}
     shard: tuple[int, int] | None = None  # (rank, world): check every world-th file only
+    keep_paths: bool = False  # list every file checked in the Report (junit); costs memory
 
     def __reduce__(self):
         return (
             ScanOptions,
             (self.deep, self.jobs, self.select, self.ignore, self.extend_select, self.exclude,
-             dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard),
+             dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard,
+             self.keep_paths),
         )
 
     def enabled(self, code: str) -> bool:
@@ -47,6 +49,35 @@ class ScanOptions:
         if chosen < 0:
             return False
         return dropped < chosen
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One layer of select / extend-select / ignore (a config file, or the command line)."""
+
+    select: tuple[str, ...] | None = None  # None: keep what the layers below chose
+    extend_select: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+
+
+def resolve_selection(layers: Iterable[Selection], codes: Iterable[str]) -> list[str]:
+    """The codes enabled after applying `layers` in order, as ruff resolves its rule selection:
+    a layer's `select` starts afresh, its `extend-select` and `ignore` change what the layers
+    below chose; within a layer the most specific prefix wins, ignore winning a tie."""
+    codes = list(codes)
+    enabled = set(codes)  # no layer: every rule
+    for layer in layers:
+        picks = layer.extend_select
+        if layer.select is not None:
+            enabled = set()
+            picks = (*layer.select, *picks)
+        for code in codes:
+            chosen, dropped = _longest(code, picks), _longest(code, layer.ignore)
+            if chosen > dropped:
+                enabled.add(code)
+            elif dropped >= 0:
+                enabled.discard(code)
+    return [c for c in codes if c in enabled]
 
 
 def _longest(code: str, prefixes: Iterable[str]) -> int:

@@ -37,6 +37,15 @@ def run_cli(*args: str, cwd: os.PathLike | str | None = None, env: dict | None =
                           text=True, cwd=cwd, env=full_env, timeout=timeout)
 
 
+def invoke(*args: str):
+    """The CLI in-process (much faster than run_cli): exit_code, stdout and stderr."""
+    from typer.testing import CliRunner
+
+    from cachedoctor.cli import app
+
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
 @pytest.fixture
 def cache(tmp_path: Path) -> Path:
     path = tmp_path / "cache"

@@ -21,13 +21,30 @@ def render(report: Report, out: TextIO, *, verbose: bool = False, color: bool = 
         _table(report, out, verbose, cwd)
     else:
         for f in report.findings:
-            dataset = f" [{printable(f.dataset)}]" if f.dataset else ""
-            out.write(f"{display_path(f.path, cwd)}: {f.code} {f.severity}{dataset} "
-                      f"{printable(f.message)}\n")
+            out.write(line(f, cwd) + "\n")
     out.write(summary_line(report) + "\n")
     hint = next_steps(report)
     if hint:
         out.write(hint + "\n")
+
+
+def line(f: Finding, cwd: str | None = None) -> str:
+    """One finding as one greppable line: `path: CODE severity [dataset] message`."""
+    dataset = f" [{printable(f.dataset)}]" if f.dataset else ""
+    return f"{display_path(f.path, cwd)}: {f.code} {f.severity}{dataset} {printable(f.message)}"
+
+
+def brief(report: Report, limit: int = 10, cwd: str | None = None) -> str:
+    """A few lines for a person: the worst findings first (at most `limit`), the counts, and
+    what to run next. The terminal gets this when the report goes to a file (`--output`), and
+    it is the message of `cachedoctor.CacheProblems`."""
+    worst = sorted(report.findings, key=lambda f: (-f.severity, f.sort_key))
+    lines = [line(f, cwd) for f in worst[:limit]]
+    if len(worst) > limit:
+        lines.append(f"... and {len(worst) - limit:,} more")
+    lines.append(summary_line(report))
+    hint = next_steps(report)
+    return "\n".join([*lines, hint] if hint else lines)
 
 
 def _groups(report: Report, verbose: bool) -> list[list[Finding]]:

@@ -1,0 +1,198 @@
+"""The Python API for training scripts and CI: `scan()` returns a Report, `preflight()` raises.
+
+Keyword options are the command line's flags (`select`, `ignore`, `extend_select`, `exclude`,
+`deep`, `jobs`, `baseline`, `severity`, `rules`, `config`, `isolated`), and the same config
+file applies as on the command line (found from the working directory upward; `isolated=True`
+ignores it). Under an initialised torch.distributed group, `preflight` splits the files across
+the ranks and every rank reaches the same verdict; torch is never imported here otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from cachedoctor import config as configuration
+from cachedoctor.baseline import Baseline
+from cachedoctor.findings import Report
+from cachedoctor.options import default_jobs
+
+Targets = str | os.PathLike | Iterable[str | os.PathLike]
+
+
+class CacheProblems(Exception):
+    """Findings at or above `fail_on`. The message is the human summary; `.report` the data."""
+
+    def __init__(self, report: Report, fail_on: str = "error") -> None:
+        from cachedoctor.reporters.text import brief
+
+        super().__init__(f"cachedoctor found problems at or above {fail_on!r} in "
+                         f"{', '.join(report.targets)}:\n{brief(report)}")
+        self.report = report
+        self.fail_on = fail_on
+
+    def __reduce__(self):
+        return (CacheProblems, (self.report, self.fail_on))
+
+
+def _targets(targets: Targets) -> tuple[str, ...]:
+    if isinstance(targets, (str, os.PathLike)):
+        targets = [targets]
+    return tuple(os.fspath(t) for t in targets)
+
+
+def _codes(value: str | Iterable[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    return [c.strip() for item in items for c in str(item).split(",") if c.strip()]
+
+
+def resolve_policy(*, select: str | Iterable[str] | None = None,
+                   ignore: str | Iterable[str] | None = None,
+                   extend_select: str | Iterable[str] | None = None,
+                   exclude: str | Iterable[str] | None = None, deep: bool | None = None,
+                   fail_on: str | None = None, baseline: str | os.PathLike | None = None,
+                   severity: Mapping[str, Any] | None = None,
+                   rules: Mapping[str, Mapping[str, Any]] | None = None,
+                   config: str | os.PathLike | None = None, isolated: bool = False,
+                   jobs: int | None = None, overrides: Iterable[configuration.Config] = (),
+                   source: str = "arguments") -> configuration.Policy:
+    """The Policy the keyword options and the config file make (raises ConfigError).
+
+    The options are the top layer, over `overrides` (`--config 'KEY = VALUE'`), over the file.
+    """
+    given = {
+        "select": _codes(select),
+        "ignore": _codes(ignore),
+        "extend-select": _codes(extend_select),
+        "exclude": [exclude] if isinstance(exclude, str) else None if exclude is None else list(exclude),
+        "deep": deep,
+        "fail-on": fail_on,
+        "baseline": os.fspath(baseline) if baseline is not None else None,
+        "severity": {code: str(level) for code, level in (severity or {}).items()},
+        "rules": {code: dict(values) for code, values in (rules or {}).items()},
+    }
+    table = {key: value for key, value in given.items() if value not in (None, {})}
+    policy = configuration.policy(configuration.parse(table, source), config=config,
+                                  isolated=isolated, overrides=overrides)
+    if jobs is not None:
+        if jobs < 1:
+            raise configuration.ConfigError(f"{source}: jobs must be at least 1")
+        policy = dataclasses.replace(policy, options=dataclasses.replace(policy.options, jobs=jobs))
+    return policy
+
+
+def scan(targets: Targets, **options: Any) -> Report:
+    """Scan cache dirs, cache files or trainer configs; findings come back as data.
+
+    With a baseline (the `baseline` option or the config file's), findings it records are left
+    out. Raises TargetError for a target that does not exist, ConfigError for a bad option or
+    config file, BaselineError for an unreadable baseline.
+    """
+    return _scan(_targets(targets), resolve_policy(**options))
+
+
+def _scan(targets: tuple[str, ...], policy: configuration.Policy) -> Report:
+    from cachedoctor import engine
+
+    baseline = Baseline.load(policy.baseline) if policy.baseline else None
+    report = engine.scan(targets, policy.options)
+    return baseline.apply(report).report if baseline else report
+
+
+def preflight(targets: Targets, fail_on: str | None = None, *, group: Any = None,
+              **options: Any) -> Report:
+    """Scan before training and raise CacheProblems when a finding reaches `fail_on`
+    (default: the config file's `fail-on`, else "error"); return the Report otherwise.
+
+    Under an initialised torch.distributed process group (`group`, default the whole world)
+    every rank checks its share of the files; the findings and per-file summaries are gathered,
+    so dataset rules see every file, and every rank returns, or raises, the same.
+    """
+    dist = _distributed(group)
+    if dist is None:
+        policy = resolve_policy(fail_on=fail_on, **options)
+        report = _scan(_targets(targets), policy)
+    else:
+        report, policy = _sharded(dist, group, _targets(targets), fail_on, options)
+    if report.fails(policy.fail_on):
+        raise CacheProblems(report, policy.fail_on)
+    return report
+
+
+def _distributed(group: Any) -> Any:
+    """torch.distributed when a process group of more than one rank is up, else None."""
+    if "torch" not in sys.modules:  # no torch loaded: no process group can exist
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist if dist.get_world_size(group) > 1 else None
+
+
+def _jobs_per_rank() -> int:
+    """Worker processes per rank: the cores shared by the ranks on this machine."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, default_jobs() // max(local, 1))
+
+
+def _portable(exc: Exception) -> Exception:
+    """`exc` if it survives pickling (to go through all_gather_object), else its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | None,
+             options: dict[str, Any]) -> tuple[Report, configuration.Policy]:
+    from cachedoctor import engine
+    from cachedoctor.layouts import resolve
+    from cachedoctor.summary import SummaryStore
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    # Everything that can fail on one rank only happens before the collective, and its error is
+    # gathered like a result: a rank that raised alone would leave the others waiting forever.
+    try:
+        options.setdefault("jobs", _jobs_per_rank())
+        policy = resolve_policy(fail_on=fail_on, **options)
+        baseline = Baseline.load(policy.baseline) if policy.baseline else None
+        layouts = resolve(targets)
+        sharded = dataclasses.replace(policy.options, shard=(rank, world))
+        rules = engine.selected_rules(sharded)
+        phase = engine.check_all_files(layouts, sharded, rules)
+        try:
+            rows = list(phase.store.rows())
+        finally:
+            phase.store.close()
+        mine: tuple[Any, ...] = ("ok", phase.findings, rows, phase.files, phase.bytes)
+    except Exception as exc:
+        error = exc
+        mine = ("error", _portable(exc))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    for failed_rank, shipped in enumerate(gathered):
+        if shipped[0] == "error":
+            raised = error if failed_rank == rank else shipped[1]
+            raised.add_note(f"cachedoctor.preflight: raised on rank {failed_rank} of {world}")
+            raise raised
+    store = SummaryStore()
+    try:
+        findings, files, nbytes = [], 0, 0
+        for _, rank_findings, rows, rank_files, rank_bytes in gathered:
+            findings.extend(rank_findings)
+            store.add_blobs(rows)
+            files += rank_files
+            nbytes += rank_bytes
+        findings.extend(engine.check_datasets(store, policy.options, rules))
+    finally:
+        store.close()
+    report = engine.build_report(targets, layouts, findings, files, nbytes, policy.options)
+    return (baseline.apply(report).report if baseline else report), policy

@@ -1,0 +1,281 @@
+"""Policy from `cachedoctor.toml` or `[tool.cachedoctor]` in `pyproject.toml`, and from flags.
+
+Discovery is ruff's: from the working directory upward, the first directory holding a
+`cachedoctor.toml` (its keys at the top level) or a `pyproject.toml` with a
+`[tool.cachedoctor]` table; in one directory `cachedoctor.toml` wins. `--config FILE` names
+the file instead, `--isolated` ignores every file. Keys:
+
+    select = ["CD1", "CD201"]      # codes or prefixes; default: every rule
+    extend-select = ["CD103"]      # added to select
+    ignore = ["CD107"]
+    exclude = ["cache/legacy/*"]   # globs, relative to the file's directory when they hold a /
+    fail-on = "warning"            # error | warning | info | never
+    deep = true                    # read whole tensors (CRC32, NaN/Inf)
+    baseline = "cachedoctor-baseline.json"   # relative to the file's directory
+    severity = { CD201 = "error" }
+    [rules.CD201]                  # (in pyproject: [tool.cachedoctor.rules.CD201])
+    min-ratio = 2.0
+    min-wasted-bytes = 1_000_000
+
+Layers, lowest first: the file, `--config 'KEY = VALUE'` overrides (TOML, as ruff takes them),
+then the flags. A scalar from a higher layer wins; `severity` and `rules` merge key by key;
+`exclude` adds up; selection resolves as ruff's does (`--select` starts afresh, `--ignore` and
+`--extend-select` adjust what the file chose). An unknown key, a wrong type or an unknown rule
+is a ConfigError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from cachedoctor.findings import Severity
+from cachedoctor.options import ScanOptions, Selection, resolve_selection
+
+CONFIG_FILE = "cachedoctor.toml"
+PYPROJECT = "pyproject.toml"
+FAIL_ON = ("error", "warning", "info", "never")
+KEYS = ("select", "extend-select", "ignore", "exclude", "fail-on", "deep", "baseline", "severity",
+        "rules")
+NOTHING = "NONE"  # a select entry that matches no code: what an empty selection becomes
+
+
+class ConfigError(Exception):
+    """A config file or option that cannot be used: a usage error (exit code 2)."""
+
+
+def _frozen() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Config:
+    """One layer of policy. None (or empty) means "not set here": a lower layer decides."""
+
+    selection: tuple[Selection, ...] = ()
+    exclude: tuple[str, ...] = ()  # globs; relative ones with a / made absolute
+    fail_on: str | None = None
+    deep: bool | None = None
+    baseline: str | None = None  # absolute path
+    severity: Mapping[str, Severity] = field(default_factory=_frozen)
+    rules: Mapping[str, Mapping[str, Any]] = field(default_factory=_frozen)
+
+    def over(self, lower: Config) -> Config:
+        """This layer on top of `lower`."""
+        rules = {code: dict(values) for code, values in lower.rules.items()}
+        for code, values in self.rules.items():
+            rules.setdefault(code, {}).update(values)
+        return Config(
+            selection=(*lower.selection, *self.selection),
+            exclude=(*lower.exclude, *self.exclude),
+            fail_on=self.fail_on if self.fail_on is not None else lower.fail_on,
+            deep=self.deep if self.deep is not None else lower.deep,
+            baseline=self.baseline if self.baseline is not None else lower.baseline,
+            severity=MappingProxyType({**lower.severity, **self.severity}),
+            rules=MappingProxyType(rules),
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything a run needs to know: what to scan with, when to fail, what is known."""
+
+    options: ScanOptions
+    fail_on: str = "error"
+    baseline: str | None = None
+
+
+def find(start: str | os.PathLike | None = None) -> Path | None:
+    """The config file that applies in `start` (default: the working directory), or None."""
+    here = Path(start or os.getcwd()).absolute()
+    for directory in (here, *here.parents):
+        candidate = directory / CONFIG_FILE
+        if candidate.is_file():
+            return candidate
+        candidate = directory / PYPROJECT
+        if candidate.is_file() and _read(candidate).get("tool", {}).get("cachedoctor") is not None:
+            return candidate
+    return None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def load(path: str | os.PathLike) -> Config:
+    """The policy in one file: `[tool.cachedoctor]` of a pyproject.toml, else the whole file."""
+    path = Path(path).absolute()
+    data = _read(path)
+    if path.name == PYPROJECT:
+        table = data.get("tool", {}).get("cachedoctor")
+        if table is None:
+            raise ConfigError(f"{path}: no [tool.cachedoctor] table")
+        return parse(table, str(path), "tool.cachedoctor.", str(path.parent))
+    return parse(data, str(path), "", str(path.parent))
+
+
+def parse(table: Any, source: str, prefix: str = "", base: str | None = None) -> Config:
+    """Check one table of settings and turn it into a Config layer.
+
+    `prefix` is how its keys are named in error messages (`tool.cachedoctor.`); relative paths
+    in it are relative to `base` (default: the working directory).
+    """
+    base = base or os.getcwd()
+
+    def error(key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{source}: {prefix}{key}: {problem}")
+
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the file'} must be a table")
+    unknown = [k for k in table if k not in KEYS]
+    if unknown:
+        raise error(unknown[0], f"unknown key (known: {', '.join(KEYS)})")
+    selection = Selection(
+        select=_selectors(table, "select", error) if "select" in table else None,
+        extend_select=_selectors(table, "extend-select", error) or (),
+        ignore=_selectors(table, "ignore", error) or (),
+    )
+    fail_on = table.get("fail-on")
+    if fail_on is not None and fail_on not in FAIL_ON:
+        raise error("fail-on", f"expected one of {', '.join(FAIL_ON)}, got {fail_on!r}")
+    deep = table.get("deep")
+    if deep is not None and not isinstance(deep, bool):
+        raise error("deep", f"expected true or false, got {deep!r}")
+    baseline = table.get("baseline")
+    if baseline is not None and not isinstance(baseline, str):
+        raise error("baseline", f"expected a path, got {baseline!r}")
+    return Config(
+        selection=(selection,) if selection != Selection() else (),
+        exclude=anchor(_strings(table, "exclude", error), base),
+        fail_on=fail_on,
+        deep=deep,
+        baseline=os.path.join(base, os.path.expanduser(baseline)) if baseline else None,
+        severity=MappingProxyType(_severity(table.get("severity", {}), error)),
+        rules=MappingProxyType(_rule_settings(table.get("rules", {}), error)),
+    )
+
+
+def anchor(patterns: Iterable[str], base: str) -> tuple[str, ...]:
+    """Exclude globs as the walk matches them: one with a `/` that does not start with `*` is
+    taken relative to `base`; others match anywhere (a bare name matches the file name)."""
+    return tuple(
+        os.path.join(base, p) if "/" in p and not p.startswith(("*", "/")) else p
+        for p in patterns
+    )
+
+
+def _strings(table: dict, key: str, error) -> tuple[str, ...]:
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise error(key, f"expected a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _rules() -> dict:
+    from cachedoctor.checks import RULES
+
+    return RULES
+
+
+def _selectors(table: dict, key: str, error) -> tuple[str, ...]:
+    selectors = tuple(s.strip().upper() for s in _strings(table, key, error))
+    for selector in selectors:
+        if not any(code.startswith(selector) for code in _rules()):
+            raise error(key, f"{selector!r} is no rule code or prefix (`cachedoctor rules` "
+                             "lists them)")
+    return selectors
+
+
+def _rule(code: Any, key: str, error):
+    rule = _rules().get(str(code).upper())
+    if rule is None:
+        raise error(key, f"no rule {code!r} (`cachedoctor rules` lists them)")
+    return rule
+
+
+def _severity(table: Any, error) -> dict[str, Severity]:
+    if not isinstance(table, dict):
+        raise error("severity", f"expected a table of code = severity, got {table!r}")
+    levels = {}
+    for code, level in table.items():
+        rule = _rule(code, f"severity.{code}", error)
+        if not isinstance(level, str) or level.strip().upper() not in Severity.__members__:
+            raise error(f"severity.{code}", f"expected error, warning or info, got {level!r}")
+        levels[rule.code] = Severity.parse(level)
+    return levels
+
+
+def _rule_settings(table: Any, error) -> dict[str, dict[str, Any]]:
+    if not isinstance(table, dict):
+        raise error("rules", f"expected a table of rule tables, got {table!r}")
+    settings: dict[str, dict[str, Any]] = {}
+    for code, values in table.items():
+        rule = _rule(code, f"rules.{code}", error)
+        if not isinstance(values, dict):
+            raise error(f"rules.{code}", f"expected a table of settings, got {values!r}")
+        for key, value in values.items():
+            name = f"rules.{code}.{key}"
+            if key not in rule.settings:
+                known = ", ".join(rule.settings) or "none"
+                raise error(name, f"{rule.code} has no such setting (its settings: {known})")
+            settings.setdefault(rule.code, {})[key] = _typed(value, rule.settings[key], name, error)
+    return settings
+
+
+def _typed(value: Any, default: Any, key: str, error) -> Any:
+    """`value` if it has the default's type (an integer does for a float); else an error."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float))
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise error(key, f"expected {type(default).__name__}, got {value!r}")
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and value < 0:
+        raise error(key, f"must not be negative, got {value!r}")
+    return float(value) if isinstance(default, float) else value
+
+
+def override(text: str) -> Config:
+    """A `--config 'KEY = VALUE'` override: one TOML line, keys as in cachedoctor.toml."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {text!r}: neither a file nor a TOML `KEY = VALUE` "
+                          f"({exc})") from None
+    return parse(table, "--config")
+
+
+def policy(flags: Config | None = None, *, config: str | os.PathLike | None = None,
+           isolated: bool = False, overrides: Iterable[Config] = (),
+           cwd: str | None = None) -> Policy:
+    """Resolve the layers: the discovered (or named) file, the overrides, then the flags."""
+    if isolated and config is not None:
+        raise ConfigError("--isolated and --config FILE exclude each other")
+    path = None if isolated else Path(config) if config is not None else find(cwd)
+    merged = load(path) if path is not None else Config()
+    for layer in (*overrides, flags or Config()):
+        merged = layer.over(merged)
+    codes = list(_rules())
+    enabled = resolve_selection(merged.selection, codes)
+    options = ScanOptions(
+        deep=bool(merged.deep),
+        select=tuple(enabled) or (NOTHING,),
+        exclude=merged.exclude,
+        severity=merged.severity,
+        settings=merged.rules,
+    )
+    return Policy(options, merged.fail_on or "error", merged.baseline)
+

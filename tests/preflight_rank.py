@@ -1,0 +1,53 @@
+"""One rank of tests/test_preflight_distributed.py: `python preflight_rank.py RANK WORLD STORE
+CACHE OUT`. Joins a gloo group through a file store, runs `cachedoctor.preflight` twice and
+writes what it saw to OUT as JSON: the verdict, the findings, the files this rank read; then
+the error of a second preflight in which rank 1 fails inside its share of the files."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+
+import cachedoctor
+from cachedoctor import engine
+
+
+def main(rank: int, world: int, store: str, cache: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    read: list[str] = []
+    real_read = engine.read_entry
+
+    def spy(entry, deep):
+        read.append(entry.path)
+        return real_read(entry, deep)
+
+    engine.read_entry = spy
+    seen: dict = {"rank": rank}
+    try:
+        cachedoctor.preflight(cache, jobs=1, isolated=True)
+        seen["verdict"] = "passed"
+    except cachedoctor.CacheProblems as exc:
+        seen.update(verdict="raised", message=str(exc), files=exc.report.files,
+                    findings=[(f.code, f.path, f.message) for f in exc.report.findings])
+    seen["read"] = read
+    engine.read_entry = real_read
+
+    if rank == 1:
+        def dying_disk(*args, **kwargs):
+            raise OSError(5, "Input/output error")
+
+        engine.check_all_files = dying_disk
+    try:
+        cachedoctor.preflight(cache, jobs=1, isolated=True)
+        seen["failure"] = None
+    except Exception as exc:
+        seen["failure"] = [type(exc).__name__, str(exc), getattr(exc, "__notes__", [])]
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(seen, f)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6])

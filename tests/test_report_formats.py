@@ -1,0 +1,199 @@
+"""The CI formats: SARIF for code scanning, GitHub annotations, JUnit XML; --output."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.checks import RULES
+from cachedoctor.findings import Finding, Report, Severity
+from cachedoctor.reporters import github, junit, sarif
+from cachedoctor.rule_docs import page
+
+from conftest import REPO, invoke
+
+
+@pytest.fixture
+def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache under the working dir with an error, a warning and a clean file."""
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "data" / "cache"
+    cache.mkdir(parents=True)
+    (cache / "empty, really.pt").write_bytes(b"")
+    (cache / "tmpabcd1234").write_bytes(b"x" * 10)
+    (cache / "caption.txt").write_text("a photo\n")
+    return cache
+
+
+def test_sarif_structure(broken: Path) -> None:
+    result = invoke("scan", "data/cache", "--format", "sarif", "--isolated", "-j", "1")
+    assert result.exit_code == 1
+    log = json.loads(result.stdout)
+    assert log["$schema"] == "https://json.schemastore.org/sarif-2.1.0.json"
+    assert log["version"] == "2.1.0"
+    (run,) = log["runs"]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == list(RULES)
+    for rule in rules:
+        assert rule["shortDescription"]["text"] and rule["fullDescription"]["text"]
+        assert "## What it does" in rule["help"]["text"]
+    root = run["originalUriBaseIds"]["%SRCROOT%"]["uri"]
+    assert root == broken.parent.parent.as_uri() + "/"
+    ids = {r["id"] for r in rules}
+    levels = {}
+    for res in run["results"]:
+        assert res["ruleId"] in ids
+        assert rules[res["ruleIndex"]]["id"] == res["ruleId"]
+        assert res["message"]["text"]
+        (location,) = res["locations"]
+        artifact = location["physicalLocation"]["artifactLocation"]
+        assert artifact["uriBaseId"] == "%SRCROOT%"
+        assert not artifact["uri"].startswith("/")
+        assert res["partialFingerprints"]
+        levels[artifact["uri"]] = (res["ruleId"], res["level"])
+    assert levels == {"data/cache/empty%2C%20really.pt": ("CD102", "error"),
+                      "data/cache/tmpabcd1234": ("CD104", "warning"),
+                      "data/cache/caption.txt": ("CD107", "warning")}
+
+
+def test_sarif_full_description_is_the_first_section() -> None:
+    rule = next(r for r in sarif.as_dict(Report.build((), [], 0, 0))["runs"][0]["tool"]["driver"]["rules"]
+                if r["id"] == "CD201")
+    assert rule["fullDescription"]["text"].startswith("Compares the bytes stored")
+    assert "##" not in rule["fullDescription"]["text"]
+    assert rule["defaultConfiguration"] == {"level": "warning"}
+
+
+def test_sarif_help_uri_only_where_the_project_declares_its_rule_pages(monkeypatch) -> None:
+    from cachedoctor import rule_docs
+
+    monkeypatch.setattr(rule_docs, "_pages_url", lambda: None)
+    assert all("helpUri" not in r for r in sarif.as_dict(Report.build((), [], 0, 0))["runs"][0]
+               ["tool"]["driver"]["rules"])
+    monkeypatch.setattr(rule_docs, "_pages_url", lambda: "https://example.org/docs/rules/")
+    rules = sarif.as_dict(Report.build((), [], 0, 0))["runs"][0]["tool"]["driver"]["rules"]
+    assert rules[0]["helpUri"] == f"https://example.org/docs/rules/{rules[0]['id']}.md"
+
+
+def test_sarif_location_outside_the_working_dir_is_an_absolute_uri(tmp_path: Path) -> None:
+    finding = Finding("CD102", "empty-file", Severity.ERROR, "/elsewhere/a b.pt", "empty")
+    (res,) = sarif.as_dict(Report.build((), [finding], 1, 0), cwd=str(tmp_path))["runs"][0]["results"]
+    artifact = res["locations"][0]["physicalLocation"]["artifactLocation"]
+    assert artifact == {"uri": "file:///elsewhere/a%20b.pt"}
+
+
+def test_github_annotations(broken: Path) -> None:
+    result = invoke("scan", "data/cache", "--format", "github", "--isolated", "-j", "1")
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines == sorted(lines, key=lambda line: line.split("title=")[1][:5])
+    assert lines[0] == ("::error file=data/cache/empty%2C really.pt,title=CD102::"
+                        "empty-file: empty file: 0 bytes where a cache entry should be")
+    assert lines[1].startswith("::warning file=data/cache/tmpabcd1234,title=CD104::interrupted-write: ")
+    assert lines[2].startswith("::warning file=data/cache/caption.txt,title=CD107::foreign-file: ")
+    for line in lines:
+        assert re.fullmatch(r"::(error|warning|notice) file=[^,:]+,title=CD\d{3}::[^\n]+", line)
+
+
+def test_github_escapes_what_would_end_a_command() -> None:
+    finding = Finding("CD101", "unreadable-archive", Severity.INFO, "/c/x:y,z.pt", "100% bad\nreally")
+    out = _render(github, Report.build((), [finding], 1, 0), cwd="/c")
+    assert out == "::notice file=x%3Ay%2Cz.pt,title=CD101::unreadable-archive: 100%25 bad%0Areally\n"
+
+
+def test_junit_one_case_per_file_and_a_failure_per_finding(broken: Path) -> None:
+    result = invoke("scan", "data/cache", "--format", "junit", "--isolated", "-j", "1")
+    assert result.exit_code == 1
+    root = ET.fromstring(result.stdout)
+    assert root.tag == "testsuites"
+    cases = root.findall("./testsuite/testcase")
+    assert sorted(c.get("name") for c in cases) == ["caption.txt", "empty, really.pt", "tmpabcd1234"]
+    failures = {c.get("name"): [f.get("type") for f in c.findall("failure")] for c in cases}
+    assert failures == {"caption.txt": ["CD107"], "empty, really.pt": ["CD102"], "tmpabcd1234": ["CD104"]}
+    assert root.get("tests") == "3" and root.get("failures") == "3"
+    assert {c.get("classname") for c in cases} == {"data/cache"}
+
+
+def test_junit_counts_clean_files_as_passing_cases(broken: Path) -> None:
+    (broken / "empty, really.pt").unlink()
+    (broken / "caption.txt").unlink()
+    (broken / "tmpabcd1234").unlink()
+    for i in range(3):
+        (broken / f"notes{i}.md").write_text("x")  # CD107, but ignored below
+    result = invoke("scan", "data/cache", "--format", "junit", "--isolated", "--ignore", "CD107")
+    assert result.exit_code == 0
+    root = ET.fromstring(result.stdout)
+    assert root.get("tests") == "3" and root.get("failures") == "0"
+    assert all(not list(c) for c in root.iter("testcase"))
+
+
+def test_junit_lists_files_read_by_worker_processes(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b", "c", "d"):  # a batch per directory: enough batches for a pool
+        (tmp_path / "cache" / name).mkdir(parents=True)
+        (tmp_path / "cache" / name / "notes.md").write_text("x")
+    result = invoke("scan", "cache", "--format", "junit", "--isolated", "-j", "2", "--ignore", "CD107")
+    names = sorted(c.get("file") for c in ET.fromstring(result.stdout).iter("testcase"))
+    assert names == [f"cache/{n}/notes.md" for n in "abcd"]
+
+
+def test_junit_survives_control_characters_in_names(tmp_path: Path) -> None:
+    finding = Finding("CD102", "empty-file", Severity.ERROR, str(tmp_path / "a\x01b.pt"), "bad \x1b[31m")
+    root = ET.fromstring(_render(junit, Report.build((), [finding], 1, 0), cwd=str(tmp_path)))
+    (case,) = root.iter("testcase")
+    assert case.get("name") == "a\\x01b.pt"
+
+
+def test_output_writes_the_report_and_the_terminal_gets_the_summary(broken: Path) -> None:
+    result = invoke("scan", "data/cache", "--format", "sarif", "--output", "reports/cd.sarif", "--isolated")
+    assert result.exit_code == 1
+    log = json.loads(Path("reports/cd.sarif").read_text())
+    assert len(log["runs"][0]["results"]) == 3
+    assert "1 errors, 2 warnings" in result.stdout
+    assert "CD102" in result.stdout.splitlines()[0]
+    assert result.stdout.rstrip().endswith("Report written to reports/cd.sarif")
+
+
+def test_output_that_cannot_be_written_is_a_usage_error(broken: Path) -> None:
+    Path("taken").write_text("a file, not a directory")
+    result = invoke("scan", "data/cache", "--output", "taken/report.json", "--isolated")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("cachedoctor: error: cannot write taken/report.json")
+
+
+def test_rule_pages_match_the_registry() -> None:
+    pages = REPO / "docs" / "rules"
+    assert sorted(p.stem for p in pages.glob("*.md")) == sorted(RULES), \
+        "run `python -m cachedoctor.rule_docs docs/rules`"
+    for code, rule in RULES.items():
+        assert (pages / f"{code}.md").read_text() == page(rule), \
+            f"docs/rules/{code}.md is stale: run `python -m cachedoctor.rule_docs docs/rules`"
+
+
+def test_explain_prints_the_rule_page() -> None:
+    result = invoke("explain", "CD201")
+    assert result.stdout.strip() == page(RULES["CD201"]).removeprefix("# ").strip()
+
+
+def _render(module, report: Report, cwd: str) -> str:
+    import io
+
+    out = io.StringIO()
+    module.render(report, out, cwd=cwd)
+    return out.getvalue()
+
+
+def test_every_format_renders_an_empty_report(tmp_path: Path) -> None:
+    from cachedoctor.reporters import REPORTERS
+
+    for name, module in REPORTERS.items():
+        text = _render(module, Report.build((str(tmp_path),), [], 0, 0), cwd=os.fspath(tmp_path))
+        if name in ("json", "sarif"):
+            json.loads(text)
+        elif name == "junit":
+            ET.fromstring(text)
