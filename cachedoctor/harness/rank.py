@@ -114,6 +114,9 @@ def main(argv: list[str]) -> int:
         if spec["device"] == "cuda":
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
+            # Repeatable convolutions, so that a loss compared across two runs can be equal.
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
         dist.init_process_group(backend, init_method=spec["init_method"], rank=rank, world_size=world,
                                 timeout=GROUP_TIMEOUT, device_id=device if backend == "nccl" else None)
         ctx = RankContext(rank, world, spec["mode"], device, backend,
