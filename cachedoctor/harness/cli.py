@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 harness_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                           pretty_exceptions_enable=False)
 
-Scenario = Annotated[str, typer.Argument(help=f"A scenario ({', '.join(SCENARIOS)}) or 'all'.")]
+Scenario = Annotated[str, typer.Argument(metavar="SCENARIO|all", help=f"A scenario ({', '.join(SCENARIOS)}) or 'all'.")]
 Ranks = Annotated[int, typer.Option(help="Rank processes in the torch.distributed group.")]
-Device = Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl, one GPU per rank).")]
+Device = Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl when each rank has a GPU of its own, else gloo).")]
 Workdir = Annotated[Path | None, typer.Option(help="Where runs write their projects (default: a temp dir).")]
 Keep = Annotated[bool, typer.Option(help="Keep the default temp dir (a given --workdir is always kept).")]
 Format = Annotated[str, typer.Option("--format", help="text | json")]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from cachedoctor.harness.project import Project, Sample
+from cachedoctor.harness.project import Project, Sample, shard
 
 TRAIN_BATCH_SIZE = 2
 
@@ -83,9 +83,7 @@ class BucketBatches(Sampler[list[int]]):
         for index, sample in enumerate(samples):
             by_bucket.setdefault(sample.bucket, []).append(index)
         for bucket in sorted(by_bucket):
-            indices = by_bucket[bucket]
-            per = len(indices) // world
-            share = indices[rank * per : (rank + 1) * per]
+            share = shard(by_bucket[bucket], rank, world)
             rng.shuffle(share)
             self.batches += [share[i : i + TRAIN_BATCH_SIZE]
                              for i in range(0, len(share) - TRAIN_BATCH_SIZE + 1, TRAIN_BATCH_SIZE)]

@@ -37,13 +37,12 @@ def bucket_share(ctx: RankContext, samples: Sequence[Sample]) -> list[Sample]:
 
 
 def cache_latents(ctx: RankContext, samples: Sequence[Sample], writer: LatentWriter, *,
-                  overwrite: bool = False) -> int:
+                  overwrite: bool = False) -> None:
     """Encode the images among `samples` (those with no entry yet, unless `overwrite`),
-    VAE_BATCH_SIZE per batch; return how many entries were written."""
+    VAE_BATCH_SIZE per batch."""
     vae = vae_on(ctx.device, ctx.project.channels)
     todo = [s for s in samples if not s.path.endswith(".pt")
             and (overwrite or not ctx.project.vae_cache_path(s.path).exists())]
-    written = 0
     for bucket in sorted({s.bucket for s in todo}):
         in_bucket = [s for s in todo if s.bucket == bucket]
         for start in range(0, len(in_bucket), VAE_BATCH_SIZE):
@@ -51,8 +50,6 @@ def cache_latents(ctx: RankContext, samples: Sequence[Sample], writer: LatentWri
             latents = vae.encode(read_images([s.path for s in chunk], ctx.device))
             writer.save_batch([ctx.project.vae_cache_path(s.path) for s in chunk], latents,
                               [s.size for s in chunk])
-            written += len(chunk)
-    return written
 
 
 def cache_text_embeds(ctx: RankContext, captions: Sequence[str]) -> None:

@@ -13,16 +13,19 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from cachedoctor.fixtures.images import write_png
 
+T = TypeVar("T")
 FAMILY_CHANNELS = {"sdxl": 4, "flux": 16}
 VAE_FACTOR = 8
 # Three aspect buckets, SimpleTuner's keys (round(w/h, 2)) -> (width, height), 64-aligned.
 BUCKETS = {"1.0": (128, 128), "1.5": (192, 128), "0.67": (128, 192)}
-IMAGES_PER_BUCKET = 8
+MIN_PER_BUCKET = 8
 DEFAULT_BUCKET = "1.0"
 _SUBJECTS = ("fox", "lighthouse", "teapot", "bicycle", "cactus", "violin", "owl", "harbor")
 _STYLES = ("watercolor", "photo", "charcoal sketch")
@@ -42,6 +45,7 @@ class Sample:
 class Project:
     root: str
     processes: int
+    per_bucket: int = MIN_PER_BUCKET  # images per aspect bucket
     family: str = "sdxl"
     dataset_id: str = "photos"
     overlap: bool = False  # the image dir is the VAE cache dir (field notes, incident 5)
@@ -117,12 +121,17 @@ class Project:
 
 
 def write_project(root: Path, processes: int, **options: object) -> Project:
-    """Images (three buckets), captions and both SimpleTuner config files under `root`."""
-    project = Project(str(Path(root).absolute()), processes, **options)  # type: ignore[arg-type]
+    """Images (three buckets), captions and both SimpleTuner config files under `root`.
+
+    Each bucket holds at least 4 images per rank, so that every rank encodes full VAE batches
+    of 4 and trains on two batches of 2 per bucket, whatever --ranks is.
+    """
+    per_bucket = max(MIN_PER_BUCKET, 4 * processes)
+    project = Project(str(Path(root).absolute()), processes, per_bucket, **options)  # type: ignore[arg-type]
     project.image_dir.mkdir(parents=True, exist_ok=True)
     for directory in (*project.cache_dirs, project.output_dir, project.config_path.parent):
         directory.mkdir(parents=True, exist_ok=True)
-    sizes = [size for size in BUCKETS.values() for _ in range(IMAGES_PER_BUCKET)]
+    sizes = [size for size in BUCKETS.values() for _ in range(per_bucket)]
     for index, (width, height) in enumerate(sizes):
         image = write_png(project.image_dir / f"img_{index:03d}.png", width, height, seed=index)
         image.with_suffix(".txt").write_text(caption(index) + "\n")
@@ -148,6 +157,13 @@ def write_project(root: Path, processes: int, **options: object) -> Project:
 def caption(index: int) -> str:
     subject = _SUBJECTS[index % len(_SUBJECTS)]
     return f"a {_STYLES[index // len(_SUBJECTS) % len(_STYLES)]} of a {subject}, plate {index}"
+
+
+def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
+    """Rank `rank`'s contiguous share of `items`, as accelerate's split_between_processes gives it."""
+    per, extra = divmod(len(items), world)
+    start = rank * per + min(rank, extra)
+    return list(items[start : start + per + (rank < extra)])
 
 
 def image_size(path: str | Path) -> tuple[int, int] | None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from cachedoctor.harness.project import Project
+from cachedoctor.harness.project import Project, shard
 from cachedoctor.harness.scenarios import load_scenario
 
 T = TypeVar("T")
@@ -68,10 +68,7 @@ class RankContext:
         dist.barrier()
 
     def shard(self, items: Sequence[T]) -> list[T]:
-        """This rank's contiguous share, as accelerate's split_between_processes gives it."""
-        per, extra = divmod(len(items), self.world)
-        start = self.rank * per + min(self.rank, extra)
-        return list(items[start : start + per + (self.rank < extra)])
+        return shard(items, self.rank, self.world)
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average `tensor` over the ranks, in place (via the CPU when gloo carries CUDA tensors)."""
@@ -141,7 +138,8 @@ def main(argv: list[str]) -> int:
 
 
 def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """`Type: message`, as the last line of a traceback shows it (`Type` alone with no message)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 if __name__ == "__main__":

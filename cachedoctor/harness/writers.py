@@ -132,6 +132,8 @@ class TextEmbedCache:
         self.thread = self.start_writer()
 
     def start_writer(self) -> threading.Thread:
+        """A new writer thread (its predecessor's error, if any, stays with the caller's notes)."""
+        self.error = None
         loop = self._buggy_loop if self.buggy else self._fixed_loop
         thread = threading.Thread(target=self._run, args=(loop,), name="batch_write_thread", daemon=True)
         thread.start()

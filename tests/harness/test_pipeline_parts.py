@@ -13,7 +13,7 @@ import torch
 from cachedoctor.harness.encoders import TinyTextEncoder, read_images, vae_on
 from cachedoctor.harness.project import (
     BUCKETS,
-    IMAGES_PER_BUCKET,
+    MIN_PER_BUCKET,
     discover,
     read_buckets,
     write_bucket_files,
@@ -47,7 +47,7 @@ def test_project_uses_simpletuner_names_and_files(tmp_path: Path) -> None:
 def test_bucket_files_round_trip(tmp_path: Path) -> None:
     project = write_project(tmp_path, processes=1)
     found = discover(project)
-    assert len(found) == len(BUCKETS) * IMAGES_PER_BUCKET
+    assert len(found) == len(BUCKETS) * MIN_PER_BUCKET
     assert {s.bucket for s in found} == set(BUCKETS)
     write_bucket_files(project, found)
     indices = json.loads(project.bucket_file("indices").read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cachedoctor.harness.launcher import Launch
-from cachedoctor.harness.project import BUCKETS, IMAGES_PER_BUCKET, Project, write_project
+from cachedoctor.harness.project import Project, write_project
 from cachedoctor.harness.result import Observation
 
 if TYPE_CHECKING:
@@ -28,7 +28,6 @@ INCIDENT = "field notes #5, SimpleTuner #59, #643, #788"
 EXPECTED = ("CD401",)
 ATTEMPTS = 1
 SIGNATURES = ("stack expects each tensor to be equal size", "latent shape mismatch")
-IMAGES = len(BUCKETS) * IMAGES_PER_BUCKET
 
 
 def prepare(root: Path, ranks: int, mode: str) -> Project:
@@ -40,6 +39,7 @@ def run_rank(ctx: RankContext) -> None:
     from cachedoctor.harness.training import new_model
 
     samples = sync_buckets(ctx)
+    ctx.note(images=len(samples))
     prepare_caches(ctx, samples)
     model = new_model(ctx.project.channels, ctx.device)
     ctx.note(first_run_loss=train_epoch(ctx, model, samples, 0))
@@ -54,12 +54,13 @@ def observe(mode: str, launch: Launch) -> Observation:
     error = launch.first_error
     losses = launch.notes("loss")
     found = launch.notes("samples_found")
+    images = (launch.notes("images") or [None])[0]
     return Observation(
         reproduced=bool(error and any(s in error.error for s in SIGNATURES)),
         failure=error.error if error else None,
-        fixed=mode == "verify" and not error and bool(found) and set(found) == {IMAGES},
+        fixed=mode == "verify" and not error and bool(found) and set(found) == {images},
         trained=not error and len(losses) == len(launch.outcomes),
         loss=losses[0] if losses else None,
-        details={"images": IMAGES, "samples_found_at_restart": found[0] if found else None,
+        details={"images": images, "samples_found_at_restart": found[0] if found else None,
                  "first_run_loss": (launch.notes("first_run_loss") or [None])[0]},
     )

@@ -7,11 +7,12 @@ failed finding central directory". Fixed by PR #1160 (lock + temp file + rename)
 
 Each rank starts its cache (and its writer thread) before the text encoder has anything for it:
 the buggy thread's first poll comes up empty and it dies. The race follows: every rank queues
-every prompt, writer threads write with a plain `open(path, "wb")`, each file in two halves with
-a pause, while every rank reads the cache. A reader meets a half-written archive and its rank
-fails; the launcher then terminates the group mid-write, as torchrun does, and the half-written
-files stay on disk for the next run and for `scan` (CD101). A try that sees no torn read is run
-again, up to ATTEMPTS times.
+every prompt, its own slice first; writer threads write with a plain `open(path, "wb")`, each
+file in two halves with a pause, while every rank reads the other slices as their files appear.
+A reader meets another rank's half-written archive and its rank fails; the launcher then
+terminates the group mid-write, as torchrun does, and the half-written files stay on disk for
+the next run and for `scan` (CD101). A try that sees no torn read is run again, up to ATTEMPTS
+times. The dead writer is restarted for the race (SimpleTuner's run just stalled there).
 
 verify: `batch` initialised, temp file + fsync + rename under a per-file lock, the same load for
 ROUNDS rounds: no reader error, no corrupt file, no temp file left; then training.
@@ -59,6 +60,10 @@ def run_rank(ctx: RankContext) -> None:
     samples = sync_buckets(ctx)
     cache_latents(ctx, bucket_share(ctx, samples), LatentWriter())
     captions = sorted({s.caption for s in samples})
+    # The prompt set is tiny, so every rank trains on every prompt and encodes them all, its
+    # own slice first; the other slices' files it finds on disk are their owners' writes.
+    own = ctx.shard(captions)
+    others = [c for c in captions if c not in own]
     cache = TextEmbedCache(buggy=ctx.buggy, lock_dir=ctx.project.output_dir)
     encoder = TinyTextEncoder(ctx.device)  # "loading the text encoder": after the thread's first poll
     cache.polled.wait(READ_TIMEOUT)
@@ -72,15 +77,13 @@ def run_rank(ctx: RankContext) -> None:
             for path in ctx.project.text_cache_dir.iterdir():
                 path.unlink()
         ctx.barrier()
-        # Every rank writes every prompt, starting with its own share, as a rank's split comes first.
-        start = ctx.rank * len(captions) // ctx.world
-        for caption in captions[start:] + captions[:start]:
+        for caption in own + others:
             cache.save_to_cache(ctx.project.text_cache_path(caption), entries[caption])
         if not cache.thread.is_alive():
             # SimpleTuner's run stalled here, its embedding progress bar at zero (#1147). The
             # harness starts the same buggy writer again, its queue full, to get to the race.
             cache.thread = cache.start_writer()
-        read_cache(ctx, captions)
+        read_cache(ctx, others)
         cache.wait_for_pending_writes()
         ctx.barrier()
         corrupt += unreadable(ctx, captions)
@@ -91,8 +94,9 @@ def run_rank(ctx: RankContext) -> None:
 
 
 def read_cache(ctx: RankContext, captions: list[str]) -> None:
-    """Load each embedding as soon as it exists, as a rank's training does; a torn read raises
-    (SimpleTuner logs "Failed to load corrupt torch file" and re-raises)."""
+    """Load each of the other ranks' embeddings as soon as it exists; a torn read raises
+    (SimpleTuner logs "Failed to load corrupt torch file" and re-raises). With one rank there
+    is nothing to read here, and no race: "fine on one GPU"."""
     from cachedoctor.harness.data import load_entry
 
     pending = list(captions)
