@@ -62,8 +62,9 @@ def run_scenario(name: str, mode: str, *, ranks: int, device: str, workdir: Path
 
 
 def _observed(observation: Observation, ranks_launch: Launch, timeout: float) -> Observation:
-    """The scenario's observation, with which rank failed first and any timeout."""
-    details = dict(observation.details)
+    """The scenario's observation, with the group's backend, the rank that failed first and any
+    timeout."""
+    details = {"backend": next(iter(ranks_launch.notes("backend")), None), **observation.details}
     first = ranks_launch.first_error
     if first is not None:
         details["failed_rank"] = first.rank

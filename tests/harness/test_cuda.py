@@ -21,6 +21,7 @@ RANKS = [1, 2]
 def _run(name: str, mode: str, ranks: int, tmp_path):
     result = run_scenario(name, mode, ranks=ranks, device="cuda", workdir=tmp_path, keep=True)
     assert (result.device, result.ranks) == ("cuda", ranks)
+    assert result.details["backend"] == ("nccl" if ranks <= torch.cuda.device_count() else "gloo")
     return result
 
 

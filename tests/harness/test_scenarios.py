@@ -54,6 +54,7 @@ def finished(result: Result) -> None:
 def test_each_run_is_quick_and_says_what_it_ran(run, name: str, mode: str) -> None:
     result = run(name, mode)
     assert (result.scenario, result.mode, result.device, result.ranks) == (name, mode, "cpu", RANKS)
+    assert result.details["backend"] == "gloo"
     assert result.seconds < SCENARIO_SECONDS
 
 
