@@ -48,28 +48,25 @@ class Launch:
         failed = [o for o in self.outcomes if o.error]
         return min(failed, key=lambda o: o.error_time or float("inf")) if failed else None
 
-    @property
-    def succeeded(self) -> bool:
-        return not self.timed_out and all(o.exit_code == 0 and not o.error for o in self.outcomes)
-
     def notes(self, key: str) -> list[Any]:
         """`key` from every rank that noted it, in rank order."""
         return [o.notes[key] for o in self.outcomes if key in o.notes]
 
 
 def launch(spec: dict[str, Any], ranks: int, run_dir: Path, timeout: float) -> Launch:
-    """Run `spec` (scenario, mode, device, project, params) on `ranks` processes; wait for all."""
+    """Run `spec` (scenario, mode, device, project) on `ranks` processes; wait for all of them."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     spec_path = run_dir / f"launch-{tag}.json"
     store = run_dir / f"rendezvous-{tag}"
-    spec_path.write_text(json.dumps({**spec, "world_size": ranks, "init_method": store.as_uri(),
-                                     "run_dir": str(run_dir), "tag": tag}))
+    spec_path.write_text(json.dumps({**spec, "init_method": store.as_uri(), "run_dir": str(run_dir), "tag": tag}))
     started = time.monotonic()
     procs = []
     for rank in range(ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank)}
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks per host
+        if spec["device"] == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run behaves as on a CPU-only host, GPUs or not
         log = open(run_dir / f"rank{rank}-{tag}.log", "wb")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(
             [sys.executable, "-m", "cachedoctor.harness.rank", str(spec_path)],

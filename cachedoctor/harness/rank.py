@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,6 @@ class RankContext:
     device: torch.device
     backend: str
     project: Project
-    run_dir: Path
-    params: dict[str, Any]
     result_path: Path
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -99,11 +97,10 @@ def write_result(path: Path, data: dict[str, Any]) -> None:
     os.replace(temp, path)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> NoReturn:
     spec = json.loads(Path(argv[1]).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    run_dir = Path(spec["run_dir"])
-    result_path = run_dir / f"rank{rank}-{spec['tag']}.json"
+    result_path = Path(spec["run_dir"]) / f"rank{rank}-{spec['tag']}.json"
     notes: dict[str, Any] = {}
     try:
         backend = backend_for(spec["device"], world)
@@ -117,8 +114,7 @@ def main(argv: list[str]) -> int:
         dist.init_process_group(backend, init_method=spec["init_method"], rank=rank, world_size=world,
                                 timeout=GROUP_TIMEOUT, device_id=device if backend == "nccl" else None)
         ctx = RankContext(rank, world, spec["mode"], device, backend,
-                          Project.load(Path(spec["project"])), run_dir, spec.get("params", {}),
-                          result_path, notes)
+                          Project.load(Path(spec["project"])), result_path, notes)
         ctx.note(backend=backend, device=str(device))
         load_scenario(spec["scenario"]).run_rank(ctx)
         ctx.barrier()

@@ -35,7 +35,9 @@ SUMMARY = "latents cached on the training device beside CPU tensors; validation 
 INCIDENT = "field notes #3, OneTrainer #459"
 EXPECTED = ("CD501", "CD502")
 ATTEMPTS = 1
-SIGNATURES = ("Attempting to deserialize object on a CUDA device", "Expected all tensors to be on the same device")
+# "... on a CUDA device but torch.cuda.is_available() is False", or "... on CUDA device 1 but
+# torch.cuda.device_count() is 1"; and the mix of devices in one operation.
+SIGNATURES = ("Attempting to deserialize object on", "Expected all tensors to be on the same device")
 
 
 def prepare(root: Path, ranks: int, mode: str) -> Project:
