@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cachedoctor import __version__
+from cachedoctor.harness.cli import harness_app
 
 if TYPE_CHECKING:
     from cachedoctor.rule import Rule
@@ -247,6 +248,9 @@ def demo(directory: Annotated[Path, typer.Argument(help="Where to write the demo
     count = sum(len(paths) for paths in written.values())
     typer.echo(f"Wrote a demo cache with {count} broken files ({', '.join(sorted(written))}) "
                f"to {directory}.\nTry: cachedoctor scan {directory}")
+
+
+app.add_typer(harness_app, name="harness", help="Reproduce the field incidents on real ranks and verify their fixes.")
 
 
 def main() -> None:

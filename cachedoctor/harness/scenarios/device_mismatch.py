@@ -1,0 +1,114 @@
+"""device-mismatch: latents cached from the training device, mixed with CPU tensors (incident 3).
+
+OneTrainer #459 (fixed in a30953d6): mgds' DiskCache saves tensors still on train_device (no
+`.cpu()`) beside conditioning built on the CPU, and validation feeds the cached tensors, as
+loaded, to the model with live ones. The cache here stores each entry as
+`{"latents", "original_size", "crop_coordinates"}`: latents from the VAE's device, the SDXL
+micro-conditioning from Python ints on the CPU (CD502 in every file, CD501 for the GPU part).
+
+On a GPU host validation then fails for real: "Expected all tensors to be on the same device".
+On a CPU-only host the ranks stand in for GPU ranks (their storages carry `cuda:<rank>`, see
+RankContext.gpu_stand_in), and the same files fail to load at the first training batch:
+"Attempting to deserialize object on a CUDA device but torch.cuda.is_available() is False".
+
+verify: the buggy cache is repaired (saved on the CPU by the corrected writer now, `cachedoctor
+fix`'s `to-cpu` once it exists) and validation moves what it reads to the model's device.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cachedoctor.harness.launcher import Launch
+from cachedoctor.harness.project import Project, write_project
+from cachedoctor.harness.result import Observation
+
+if TYPE_CHECKING:
+    from cachedoctor.harness.project import Sample
+    from cachedoctor.harness.rank import RankContext
+    from cachedoctor.harness.training import TinyDenoiser
+
+NAME = "device-mismatch"
+SUMMARY = "latents cached on the training device beside CPU tensors; validation mixes them (CD501, CD502)"
+INCIDENT = "field notes #3, OneTrainer #459"
+EXPECTED = ("CD501", "CD502")
+ATTEMPTS = 1
+# "... on a CUDA device but torch.cuda.is_available() is False", or "... on CUDA device 1 but
+# torch.cuda.device_count() is 1"; and the mix of devices in one operation.
+SIGNATURES = ("Attempting to deserialize object on", "Expected all tensors to be on the same device")
+
+
+def prepare(root: Path, ranks: int, mode: str) -> Project:
+    return write_project(root, ranks)
+
+
+def run_rank(ctx: RankContext) -> None:
+    from cachedoctor.harness.data import load_entry
+    from cachedoctor.harness.pipeline import bucket_share, cache_latents, prepare_caches, sync_buckets, train_epoch
+    from cachedoctor.harness.rank import describe
+    from cachedoctor.harness.repair import repair_cache
+    from cachedoctor.harness.training import new_model
+    from cachedoctor.harness.writers import LatentWriter
+
+    samples = sync_buckets(ctx)
+    share = bucket_share(ctx, samples)
+    prepare_caches(ctx, samples, LatentWriter(to_cpu=False, gpu_stand_in=ctx.gpu_stand_in,
+                                              with_conditioning=True))
+    if not ctx.buggy:
+        try:
+            load_entry(ctx.project.vae_cache_path(share[0].path))
+            ctx.note(before_repair="loads")
+        except RuntimeError as exc:
+            ctx.note(before_repair=describe(exc))
+        ctx.note(repair=repair_cache(ctx, lambda: cache_latents(
+            ctx, share, LatentWriter(with_conditioning=True), overwrite=True)))
+    model = new_model(ctx.project.channels, ctx.device)
+    ctx.note(loss=train_epoch(ctx, model, samples, 0))
+    if ctx.main:
+        ctx.note(validation_loss=validate(ctx, model, share[0], move_cached=not ctx.buggy))
+
+
+def validate(ctx: RankContext, model: TinyDenoiser, sample: Sample, *, move_cached: bool) -> float:
+    """The main process's validation: one cached sample, live noise on the model's device.
+
+    The buggy step uses the cached tensors where loading put them (OneTrainer #459); the fixed
+    one moves them to the model's device first, as a30953d6's device sync does.
+    """
+    import torch
+
+    from cachedoctor.harness.data import load_entry
+    from cachedoctor.harness.training import SIGMA
+
+    entry = load_entry(ctx.project.vae_cache_path(sample.path))
+    text = load_entry(ctx.project.text_cache_path(sample.caption))
+    latents = entry["latents"][None].float()
+    pooled = text["pooled_prompt_embeds"][None]
+    time_ids = torch.cat([entry["original_size"], entry["crop_coordinates"], entry["original_size"]])[None]
+    if move_cached:
+        latents, pooled, time_ids = (t.to(ctx.device) for t in (latents, pooled, time_ids))
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    with torch.no_grad():
+        prediction = model(latents + SIGMA * noise, pooled, time_ids)
+    return torch.nn.functional.mse_loss(prediction, noise).item()
+
+
+def observe(mode: str, launch: Launch) -> Observation:
+    error = launch.first_error
+    losses = launch.notes("loss")
+    validation = launch.notes("validation_loss")
+    reproduced = bool(error and any(s in error.error for s in SIGNATURES))
+    trained = not error and len(losses) == len(launch.outcomes)
+    details = {"validation_loss": validation[0] if validation else None}
+    if mode == "verify":
+        details.update(before_repair=(launch.notes("before_repair") or [None])[0],
+                       repair=(launch.notes("repair") or [None])[0])
+    return Observation(
+        reproduced=reproduced,
+        failure=error.error if error else None,
+        fixed=mode == "verify" and not error and bool(validation) and math.isfinite(validation[0]),
+        trained=trained,
+        loss=losses[0] if losses else None,
+        details=details,
+    )
