@@ -18,3 +18,8 @@ def age(seconds: float) -> str:
         if seconds < limit:
             return f"{seconds / size:.0f} {unit}"
     return f"{seconds / 86400:.0f} days"
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """count(1, 'file') -> '1 file'; count(3, 'file') -> '3 files'."""
+    return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"

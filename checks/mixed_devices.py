@@ -31,6 +31,7 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
+from cachedoctor.units import count
 
 MAX_LISTED = 1000
 
@@ -59,7 +60,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     for directory, counts in sorted(per_dir.items()):
         if len(counts) < 2:
             continue
-        text = ", ".join(f"{loc}: {n:,} file{'s' * (n != 1)}" for loc, n in counts.most_common())
+        text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts.most_common())
         yield RULE.finding(directory, f"files saved from different devices: {text}", ctx,
                            locations=dict(counts), files=off_cpu[directory])
 

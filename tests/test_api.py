@@ -52,7 +52,7 @@ def test_preflight_raises_with_the_human_summary(broken: Path) -> None:
     message = str(raised.value)
     assert message.splitlines()[0] == f"cachedoctor found problems at or above 'error' in {broken}:"
     assert "cache/empty.pt: CD102 error [cache] empty file" in message
-    assert "2 files, 1 B · 1 errors, 1 warnings, 0 info" in message
+    assert "2 files, 1 B · 1 error, 1 warning, 0 info" in message
     assert "cachedoctor explain CD102" in message
     assert raised.value.report.counts["error"] == 1
     copy = pickle.loads(pickle.dumps(raised.value))

@@ -154,7 +154,7 @@ def test_output_writes_the_report_and_the_terminal_gets_the_summary(broken: Path
     assert result.exit_code == 1
     log = json.loads(Path("reports/cd.sarif").read_text())
     assert len(log["runs"][0]["results"]) == 3
-    assert "1 errors, 2 warnings" in result.stdout
+    assert "1 error, 2 warnings" in result.stdout
     assert "CD102" in result.stdout.splitlines()[0]
     assert result.stdout.rstrip().endswith("Report written to reports/cd.sarif")
 

@@ -10,7 +10,7 @@ import itertools
 from typing import TextIO
 
 from cachedoctor.findings import Finding, Report, Severity, display_path, printable
-from cachedoctor.units import human_bytes
+from cachedoctor.units import count, human_bytes
 
 STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
@@ -89,8 +89,9 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
 def summary_line(report: Report) -> str:
     counts = report.counts
     parts = [
-        f"{report.files:,} files, {human_bytes(report.bytes)}",
-        f"{counts['error']:,} errors, {counts['warning']:,} warnings, {counts['info']:,} info",
+        f"{count(report.files, 'file')}, {human_bytes(report.bytes)}",
+        f"{count(counts['error'], 'error')}, {count(counts['warning'], 'warning')}, "
+        f"{counts['info']:,} info",
     ]
     if report.reclaimable_bytes:
         parts.append(f"{human_bytes(report.reclaimable_bytes)} reclaimable")
