@@ -92,12 +92,16 @@ def timed_scan(root: str, jobs: int) -> tuple[float, dict]:
 
 
 def peak_rss_kib(root: str, jobs: int) -> int:
-    """Peak RSS (KiB) of the scan's main process, which is where memory could pile up."""
-    code = ("import resource, runpy, sys; sys.argv=['cachedoctor','scan',%r,'--format','json','-j','%d',"
-            "'--fail-on','never']\ntry: runpy.run_module('cachedoctor', run_name='__main__')\n"
-            "except SystemExit: pass\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", code % (root, jobs)], capture_output=True, text=True)
-    return int(proc.stderr.strip().splitlines()[-1])
+    """Peak RSS (KiB) of the largest process of a scan (its main process or a worker): a probe
+    process runs the scan as its only child, then reads RUSAGE_CHILDREN."""
+    probe = (
+        "import resource, subprocess, sys\n"
+        f"subprocess.run([sys.executable, '-m', 'cachedoctor', 'scan', {root!r}, '--format', 'json',"
+        f" '-j', '{jobs}', '--fail-on', 'never'], stdout=subprocess.DEVNULL, check=True)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
 
 
 def main() -> None:
@@ -130,10 +134,10 @@ def main() -> None:
             print(f"{jobs:>5} {n / scan_s:>13,.0f} {n / load_s:>13,.0f} {n / tail_s:>12,.0f} "
                   f"{load_s / scan_s:>12.1f}x {scan_s / tail_s:>12.1f}x slower")
             print(f"      findings on the clean cache: {counts}")
-        quarter = os.path.join(root, "part000")
-        small, full = peak_rss_kib(quarter, cores), peak_rss_kib(root, cores)
-        print(f"peak RSS of the scan process: {small / 1024:.0f} MiB for {min(n, PER_DIR):,} files, "
-              f"{full / 1024:.0f} MiB for {n:,} files")
+        part = os.path.join(root, "part000")
+        small, full = peak_rss_kib(part, cores), peak_rss_kib(root, cores)
+        print(f"peak RSS of the largest scan process: {small / 1024:.0f} MiB for "
+              f"{min(n, PER_DIR):,} files, {full / 1024:.0f} MiB for {n:,} files")
         ok_load = all(load_s / scan_s >= 6 for _, scan_s, load_s, _, _ in rows)
         ok_tail = all(scan_s / tail_s <= 3 for _, scan_s, _, tail_s, _ in rows)
         print(f"targets: >= 6x torch.load: {'met' if ok_load else 'MISSED'}; "
