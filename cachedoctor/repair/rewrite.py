@@ -148,29 +148,31 @@ def _show(where: Path) -> str:
 
 
 def _compacted(obj: Any) -> Any:
-    """`obj` with every storage cut to the byte range its tensors reach."""
+    """`obj` with every storage cut to the byte range its tensors reach. Tensors of one storage
+    stay on one (smaller) storage; empty ones sit at its start."""
     import torch
 
     tensors: dict[int, torch.Tensor] = {}
     _collect(obj, tensors)
     groups: dict[int, list[torch.Tensor]] = {}
-    for t in tensors.values():
-        if t.numel():
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for key, t in tensors.items():
+        storage = t.untyped_storage()
+        groups.setdefault(storage.data_ptr() if storage.nbytes() else -key, []).append(t)
     new: dict[int, torch.Tensor] = {}
     for views in groups.values():
         storage = views[0].untyped_storage()
         align = max(t.element_size() for t in views)
-        low = min(t.storage_offset() * t.element_size() for t in views) // align * align
-        high = max(_end(t) for t in views)
+        used = [t for t in views if t.numel()]
+        if used:
+            low = min(t.storage_offset() * t.element_size() for t in used) // align * align
+            high = max(_end(t) for t in used)
+        else:  # only empty views: keep a sliver, so that views sharing it still share
+            low, high = 0, min(align, storage.nbytes())
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
         compact = raw[low:high].clone().untyped_storage()
         for t in views:
-            offset = (t.storage_offset() * t.element_size() - low) // t.element_size()
+            offset = (t.storage_offset() * t.element_size() - low) // t.element_size() if t.numel() else 0
             new[id(t)] = _like(t, torch.empty(0, dtype=t.dtype).set_(compact, offset, t.shape, t.stride()))
-    for key, t in tensors.items():
-        if key not in new:  # no elements: nothing to keep of its storage
-            new[key] = _like(t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype))
     return _replaced(obj, new)
 
 
