@@ -242,9 +242,9 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encod
     import contextlib
 
     from cachedoctor.engine import scan as run_scan
-    from cachedoctor.repair import build_plan, recover
+    from cachedoctor.repair import build_plan, recover_caches
     from cachedoctor.repair.apply import RunStopped
-    from cachedoctor.repair.journal import Journal, JournalError
+    from cachedoctor.repair.journal import JournalError
     from cachedoctor.repair.lock import LockBusy, locked
     from cachedoctor.repair.plan import Reencode
     from cachedoctor.repair.render import render_plan, render_result
@@ -253,10 +253,8 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encod
         with contextlib.ExitStack() as stack:
             if not dry_run:  # a dry run takes no lock and creates nothing
                 stack.enter_context(locked(roots, wait, "fix"))
-                for root in roots:
-                    with Journal.open(root) as journal:  # type: ignore[union-attr]
-                        for note in recover(journal):
-                            typer.echo(note)
+                for note in recover_caches(roots):
+                    typer.echo(note)
             else:
                 _pending_notes(roots)
             report = run_scan(targets, options)
@@ -272,10 +270,16 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encod
                 typer.echo("Nothing changed.")
                 return 0
             progress = _Progress("Repairing") if sys.stderr.isatty() else None
-            if progress:
-                progress.start(len(plan.actions))
+
+            def started(run_id: str) -> None:
+                typer.echo(f"Applying run {run_id} (if it is interrupted, the next fix or "
+                           f"`cachedoctor undo {run_id}` finishes it)")
+                if progress:
+                    progress.start(len(plan.actions))
+
             try:
-                result = plan.execute(wait=wait, on_outcome=lambda _: progress and progress.advance(1))
+                result = plan.execute(wait=wait, on_start=started,
+                                      on_outcome=(lambda _: progress.advance(1)) if progress else None)
             finally:
                 if progress:
                     progress.stop()

@@ -32,7 +32,7 @@ from cachedoctor.repair.caches import ActionPaths
 from cachedoctor.repair.errors import RepairError
 from cachedoctor.repair.journal import DONE, FAILED, READY, SKIPPED, STARTED, Journal, Planned
 from cachedoctor.repair.plan import COMPACT, QUARANTINE, REENCODE, REWRITES, Action, Plan
-from cachedoctor.repair.rollback import recover, roll_back
+from cachedoctor.repair.rollback import recover_caches, roll_back
 
 if TYPE_CHECKING:
     from cachedoctor.repair.encoders import Encoder
@@ -70,6 +70,7 @@ def new_run_id() -> str:
 
 
 def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: str = "",
+        on_start: Callable[[str], None] | None = None,
         on_outcome: Callable[[Outcome], None] | None = None) -> RunResult:
     run_id = run_id or new_run_id()
     if not plan.actions:
@@ -80,9 +81,9 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
     with lock.locked(roots, wait, "fix"):
         journals: dict[str, Journal] = {}
         try:
+            notes += recover_caches(roots)
             for root in roots:
                 journals[root] = Journal.open(root)  # type: ignore[assignment]
-                notes += recover(journals[root])
             _prepare(plan)
             warning = index.remember(roots)
             if warning:
@@ -95,6 +96,8 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
                      for seq, a in numbered if a.root == root],
                     command or " ".join(["cachedoctor", *sys.argv[1:]]),
                 )
+            if on_start is not None:
+                on_start(run_id)
             for seq, action in numbered:
                 outcome = _apply(journals[action.root], ActionPaths(action.root, run_id, seq, action.relpath),
                                  action, plan.encoder)

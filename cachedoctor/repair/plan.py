@@ -97,11 +97,14 @@ class Plan:
         return tuple(a for a in self.actions if a.kind == kind)
 
     def execute(self, *, run_id: str | None = None, wait: float = 0.0, command: str = "",
+                on_start: Callable[[str], None] | None = None,
                 on_outcome: Callable[[Outcome], None] | None = None) -> RunResult:
-        """Apply the plan (under each cache's lock, journaled; see apply.py)."""
+        """Apply the plan (under each cache's lock, journaled; see apply.py). `on_start(run_id)`
+        is called once the run is journaled, before its first change."""
         from cachedoctor.repair.apply import run
 
-        return run(self, run_id=run_id, wait=wait, command=command, on_outcome=on_outcome)
+        return run(self, run_id=run_id, wait=wait, command=command, on_start=on_start,
+                   on_outcome=on_outcome)
 
 
 def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None = None) -> Plan:

@@ -56,8 +56,10 @@ class EntryFormat:
     channels: int | None = None  # C of [C, h, w]; None: whatever the encoder gives
     batch_dim: bool = False  # stored as [1, C, h, w]
     scaled: bool = False  # stored as (latent - shift_factor) * scaling_factor (SimpleTuner, ai-toolkit)
-    extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # other entries
-    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # safetensors header
+    # Other entries (kohya's original_size, crop_ltrb) and safetensors header metadata (ai-toolkit);
+    # left out of the hash (mappings have none), not out of equality.
+    extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     def __post_init__(self) -> None:
         if self.container not in CONTAINERS:

@@ -17,6 +17,7 @@ Per action, what the files say about how far it got:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from cachedoctor.repair import atomic
 from cachedoctor.repair.journal import (
@@ -64,6 +65,23 @@ def _sha(path: str) -> str | None:
         return atomic.sha256_file(path)
     except OSError:
         return None
+
+
+def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
+    """`recover` every cache of `roots` that has a journal, under its lock (taken here unless
+    the caller holds it). Run it before scanning: a run that was killed may have left a file in
+    the quarantine that goes back to its place."""
+    from cachedoctor.repair import lock
+
+    roots = list(roots)
+    notes = []
+    with lock.locked(roots, wait):
+        for root in roots:
+            journal = Journal.open(root, create=False)
+            if journal is not None:
+                with journal:
+                    notes += recover(journal)
+    return notes
 
 
 def recover(journal: Journal) -> list[str]:

@@ -22,7 +22,7 @@ from cachedoctor.fixtures import (
     unsafe_pickle,
 )
 from cachedoctor.inventory import STATE_DIR
-from cachedoctor.repair import build_plan
+from cachedoctor.repair import build_plan, recover_caches
 from cachedoctor.repair.caches import QUARANTINE, state_dir
 
 from conftest import scan_paths
@@ -76,7 +76,8 @@ def every_fixable_defect(root: Path, marker: Path) -> Path:
 
 
 def fix_in_process(*roots: Path, deep: bool = True, **execute):
-    """Scan, plan and apply, as `cachedoctor fix --yes` does; (plan, result)."""
+    """Recover, scan, plan and apply, as `cachedoctor fix --yes` does; (plan, result)."""
+    recover_caches([str(r) for r in roots])
     report = scan_paths(*roots, deep=deep)
     plan = build_plan(report, [str(r) for r in roots])
     return plan, plan.execute(**execute)
