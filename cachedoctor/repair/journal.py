@@ -138,9 +138,10 @@ class Journal:
                 conn.close()
                 raise JournalError(f"{path} was written by a newer cachedoctor (journal schema "
                                    f"{version}); upgrade cachedoctor to undo its runs")
-            with conn:
-                conn.executescript(SCHEMA)
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if version < SCHEMA_VERSION:  # a new journal (reading one writes nothing)
+                with conn:
+                    conn.executescript(SCHEMA)
+                    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise JournalError(f"cannot open the journal {path}: {exc}") from None
         return cls(root, conn)
