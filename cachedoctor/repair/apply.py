@@ -31,7 +31,7 @@ from cachedoctor.repair import atomic, index, lock
 from cachedoctor.repair.caches import ActionPaths
 from cachedoctor.repair.errors import RepairError
 from cachedoctor.repair.journal import DONE, FAILED, READY, SKIPPED, STARTED, Journal, Planned
-from cachedoctor.repair.plan import COMPACT, QUARANTINE, REENCODE, REWRITES, Action, Plan
+from cachedoctor.repair.plan import COMPACT, QUARANTINE, REENCODE, TO_CPU, Action, Plan
 from cachedoctor.repair.rollback import recover_caches, roll_back
 
 if TYPE_CHECKING:
@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 class RunStopped(Exception):
     """A failed action could not be rolled back: the run stops; the next fix or undo finishes
     the rollback from the journal."""
+
+
+class Changed(RepairError):
+    """The file changed between the run reading it and replacing it."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
         try:
             notes += recover_caches(roots)
             for root in roots:
-                journals[root] = Journal.open(root)  # type: ignore[assignment]
+                journals[root] = Journal.open(root)
             _prepare(plan)
             warning = index.remember(roots)
             if warning:
@@ -116,16 +120,15 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
 def _prepare(plan: Plan) -> None:
     """Import and load what the actions need before the run records anything, so a missing
     module or model fails the run before it changes a file."""
-    if any(a.kind in REWRITES or a.kind == REENCODE for a in plan.actions):
+    if any(a.kind != QUARANTINE for a in plan.actions):
         import torch  # noqa: F401
     if plan.encoder is not None and plan.of_kind(REENCODE):
         plan.encoder.prepare()
 
 
 def _apply(journal: Journal, paths: ActionPaths, action: Action, encoder: Encoder | None) -> Outcome:
-    step = {QUARANTINE: _quarantine, REENCODE: _reencode}.get(action.kind, _rewrite)
     try:
-        return step(journal, paths, action, encoder)
+        return STEPS[action.kind](journal, paths, action, encoder)
     except RepairError as exc:
         message = str(exc)
     except Exception as exc:  # any failure costs this action, never the cache
@@ -143,10 +146,6 @@ def _apply(journal: Journal, paths: ActionPaths, action: Action, encoder: Encode
 def _vanished(journal: Journal, paths: ActionPaths, action: Action) -> Outcome:
     journal.update(paths.run_id, paths.seq, SKIPPED, error="the file vanished")
     return Outcome(action, SKIPPED, "the file vanished before it was changed")
-
-
-class Changed(RepairError):
-    """The file changed between the run reading it and replacing it."""
 
 
 def _quarantine(journal: Journal, paths: ActionPaths, action: Action, encoder: Encoder | None) -> Outcome:
@@ -201,3 +200,6 @@ def _reencode(journal: Journal, paths: ActionPaths, action: Action, encoder: Enc
     atomic.link_new(paths.temp, paths.path)
     journal.update(paths.run_id, paths.seq, DONE)
     return Outcome(action, DONE)
+
+
+STEPS = {QUARANTINE: _quarantine, COMPACT: _rewrite, TO_CPU: _rewrite, REENCODE: _reencode}

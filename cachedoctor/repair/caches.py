@@ -22,7 +22,7 @@ from cachedoctor.layouts import Layout
 
 JOURNAL = "journal.sqlite"
 LOCK = "lock"
-QUARANTINE = "quarantine"
+QUARANTINE_DIR = "quarantine"
 
 
 def state_dir(root: str) -> str:
@@ -67,7 +67,7 @@ class ActionPaths:
 
     @property
     def quarantine(self) -> str:
-        return os.path.join(state_dir(self.root), QUARANTINE, self.run_id, self.relpath)
+        return os.path.join(state_dir(self.root), QUARANTINE_DIR, self.run_id, self.relpath)
 
     def _beside(self, path: str, suffix: str) -> str:
         return os.path.join(os.path.dirname(path), f".cachedoctor-{self.run_id}-{self.seq}{suffix}")

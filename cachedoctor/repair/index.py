@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from cachedoctor.repair.caches import JOURNAL, state_dir
+
 FILE = "caches.sqlite"
 
 
@@ -61,7 +63,5 @@ def known_roots() -> list[str]:
         rows = []
     finally:
         conn.close()
-    from cachedoctor.repair.caches import JOURNAL, state_dir
-
     roots = [os.fsdecode(r) for (r,) in rows]
     return [r for r in roots if os.path.exists(os.path.join(state_dir(r), JOURNAL))]

@@ -123,11 +123,14 @@ class Journal:
         self.conn = conn
 
     @classmethod
-    def open(cls, root: str, *, create: bool = True) -> Journal | None:
-        """The journal of `root`; None where there is none and `create` is false."""
+    def existing(cls, root: str) -> Journal | None:
+        """The journal of `root`, or None where no run ever wrote one."""
+        return cls.open(root) if os.path.exists(os.path.join(state_dir(root), JOURNAL)) else None
+
+    @classmethod
+    def open(cls, root: str) -> Journal:
+        """The journal of `root`, created if there is none."""
         path = os.path.join(state_dir(root), JOURNAL)
-        if not create and not os.path.exists(path):
-            return None
         atomic.ensure_dir(state_dir(root))
         try:
             conn = sqlite3.connect(path, timeout=30)

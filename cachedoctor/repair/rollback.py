@@ -1,5 +1,6 @@
-"""Put one action's file back as it was, from the journal and the file system alone, and bring
-interrupted runs to a consistent state. Both work after a kill at any instruction of the run.
+"""Put one action's file back as it was, from the journal and the file system alone; undo a run
+in one cache; bring interrupted runs to a consistent state. All work after a kill at any
+instruction of the run (or of themselves).
 
 Recovery and undo may delete only three things: cachedoctor's own temp files (names derived
 from the run id), a file whose sha256 is the one the run itself recorded for what it wrote, and
@@ -16,10 +17,12 @@ Per action, what the files say about how far it got:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 
 from cachedoctor.repair import atomic
+from cachedoctor.repair.caches import QUARANTINE_DIR, state_dir
 from cachedoctor.repair.journal import (
     CONFLICT,
     IN_FLIGHT,
@@ -28,16 +31,18 @@ from cachedoctor.repair.journal import (
     ROLLED_BACK,
     RUNNING,
     SKIPPED,
+    UNDO_INCOMPLETE,
+    UNDOABLE,
     UNDOING,
+    UNDONE,
     ActionRecord,
     Journal,
 )
+from cachedoctor.repair.plan import QUARANTINE, REENCODE
 
 
 def roll_back(record: ActionRecord, root: str) -> str | None:
     """Undo what `record`'s action did to its file; None when it is back, else why it was left."""
-    from cachedoctor.repair.plan import QUARANTINE, REENCODE
-
     paths = record.paths(root)
     for leftover in paths.leftovers:
         atomic.remove(leftover)
@@ -77,7 +82,7 @@ def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
     notes = []
     with lock.locked(roots, wait):
         for root in roots:
-            journal = Journal.open(root, create=False)
+            journal = Journal.existing(root)
             if journal is not None:
                 with journal:
                     notes += recover(journal)
@@ -87,8 +92,6 @@ def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
 def recover(journal: Journal) -> list[str]:
     """Finish or roll back the runs a kill left in `journal` (call it holding the cache's lock,
     so no run found `running` is alive). Returns what was done, one line per run."""
-    from cachedoctor.repair.undo import undo_in
-
     notes = []
     for run in journal.runs():
         if run.state == RUNNING:
@@ -109,3 +112,32 @@ def recover(journal: Journal) -> list[str]:
             notes.append(f"finished undoing run {run.run_id} on {journal.root}: {restored} file(s) put "
                          f"back" + (f", {len(conflicts)} left alone" if conflicts else ""))
     return notes
+
+
+def undo_in(journal: Journal, run_id: str) -> tuple[int, list[str]]:
+    """Undo `run_id` in one cache (holding its lock): (files put back, conflicts). Actions are
+    walked back last first (a re-encoded entry goes before the original it replaced comes
+    back); the run is marked `undoing` first, so that a kill during undo is finished by the
+    next fix or undo."""
+    journal.set_run_state(run_id, UNDOING)
+    restored, conflicts = 0, []
+    for record in reversed(journal.actions(run_id)):
+        if record.state not in UNDOABLE:
+            continue
+        why = roll_back(record, journal.root)
+        journal.update(run_id, record.seq, CONFLICT if why else UNDONE, error=why)
+        if why:
+            conflicts.append(why)
+        else:
+            restored += 1
+    journal.set_run_state(run_id, UNDO_INCOMPLETE if conflicts else UNDONE)
+    _prune(os.path.join(state_dir(journal.root), QUARANTINE_DIR, run_id))
+    return restored, conflicts
+
+
+def _prune(directory: str) -> None:
+    """Remove the run's quarantine dirs that undo left empty (never a file)."""
+    for parent, _dirs, files in os.walk(directory, topdown=False):
+        if not files:
+            with contextlib.suppress(OSError):  # not empty: a conflict's original is still there
+                os.rmdir(parent)

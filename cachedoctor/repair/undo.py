@@ -1,30 +1,21 @@
-"""`cachedoctor undo [RUN_ID]`: put back every file a run changed, byte for byte, and the runs
-listing (`fix --list-runs`). Neither imports torch: undo only moves and hashes files.
-
-A run's actions are walked back last first (a re-encoded entry goes before the quarantined
-original it replaced comes back). The run is marked `undoing` first, so a kill during undo is
-finished by the next fix or undo.
+"""`cachedoctor undo [RUN_ID]`: find a run in the caches' journals and put back every file it
+changed, byte for byte (rollback.undo_in); and the runs listing (`fix --list-runs`). Neither
+imports torch: undo only moves and hashes files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cachedoctor.repair import index, lock
-from cachedoctor.repair.caches import QUARANTINE, state_dir
 from cachedoctor.repair.journal import (
-    CONFLICT,
-    UNDO_INCOMPLETE,
-    UNDOABLE,
-    UNDOING,
     UNDONE,
     Journal,
     RunRecord,
 )
-from cachedoctor.repair.rollback import recover, roll_back
+from cachedoctor.repair.rollback import recover, undo_in
 
 
 class NothingToUndo(Exception):
@@ -47,24 +38,6 @@ class RunSummary:
     counts: dict[str, dict[str, int]]  # action kind -> state -> count
 
 
-def undo_in(journal: Journal, run_id: str) -> tuple[int, list[str]]:
-    """Undo `run_id` in one cache (holding its lock): (files put back, conflicts)."""
-    journal.set_run_state(run_id, UNDOING)
-    restored, conflicts = 0, []
-    for record in reversed(journal.actions(run_id)):
-        if record.state not in UNDOABLE:
-            continue
-        why = roll_back(record, journal.root)
-        journal.update(run_id, record.seq, CONFLICT if why else UNDONE, error=why)
-        if why:
-            conflicts.append(why)
-        else:
-            restored += 1
-    journal.set_run_state(run_id, UNDO_INCOMPLETE if conflicts else UNDONE)
-    _prune(os.path.join(state_dir(journal.root), QUARANTINE, run_id))
-    return restored, conflicts
-
-
 def undo_run(run_id: str | None = None, roots: Iterable[str] | None = None,
              wait: float = 0.0) -> list[UndoResult]:
     """Undo `run_id` (default: the latest run not undone yet) in every cache of `roots` (default:
@@ -83,9 +56,7 @@ def undo_run(run_id: str | None = None, roots: Iterable[str] | None = None,
     results = []
     with lock.locked([root for root, _ in found], wait, "undo"):
         for root, _ in found:
-            journal = Journal.open(root)
-            assert journal is not None
-            with journal:
+            with Journal.open(root) as journal:
                 recovered = recover(journal)
                 restored, conflicts = undo_in(journal, run_id)
             results.append(UndoResult(run_id, root, restored, tuple(conflicts), tuple(recovered)))
@@ -97,7 +68,7 @@ def list_runs(roots: Iterable[str] | None = None) -> list[RunSummary]:
     first."""
     out = []
     for root in (roots if roots is not None else index.known_roots()):
-        journal = Journal.open(root, create=False)
+        journal = Journal.existing(root)
         if journal is None:
             continue
         with journal:
@@ -114,11 +85,3 @@ def _where(roots: list[str]) -> str:
     if not roots:
         return ": no cache has a journal yet (give --cache DIR if the cache was moved)"
     return f" in {', '.join(roots)}"
-
-
-def _prune(directory: str) -> None:
-    """Remove the run's quarantine dirs that undo left empty (never a file)."""
-    for parent, _dirs, files in os.walk(directory, topdown=False):
-        if not files:
-            with contextlib.suppress(OSError):  # not empty: a conflict's original is still there
-                os.rmdir(parent)

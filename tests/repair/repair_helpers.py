@@ -23,7 +23,7 @@ from cachedoctor.fixtures import (
 )
 from cachedoctor.inventory import STATE_DIR
 from cachedoctor.repair import build_plan, recover_caches
-from cachedoctor.repair.caches import QUARANTINE, state_dir
+from cachedoctor.repair.caches import QUARANTINE_DIR, state_dir
 
 from conftest import scan_paths
 
@@ -51,7 +51,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def quarantine_of(root: Path, run_id: str) -> Path:
-    return Path(state_dir(str(root))) / QUARANTINE / run_id
+    return Path(state_dir(str(root))) / QUARANTINE_DIR / run_id
 
 
 def every_fixable_defect(root: Path, marker: Path) -> Path:
