@@ -73,16 +73,10 @@ def scan(
         raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(REPORTERS)}")
     if fail_on not in ("error", "warning", "info", "never"):
         raise fail(f"unknown --fail-on {fail_on!r}: expected error, warning, info or never")
-    if jobs is not None and jobs < 1:
-        raise fail("--jobs must be at least 1")
+    options = _scan_options(deep, select, ignore, exclude, jobs)
     from cachedoctor.engine import scan as run_scan
     from cachedoctor.layouts import TargetError
-    from cachedoctor.options import ScanOptions
 
-    options = ScanOptions(deep=deep, select=_codes(select), ignore=_codes(ignore),
-                          exclude=tuple(exclude or ()))
-    if jobs is not None:
-        options = ScanOptions(**{**options.__dict__, "jobs": jobs})
     progress = _Progress() if fmt == "text" and sys.stderr.isatty() else None
     try:
         report = run_scan(
@@ -98,6 +92,18 @@ def scan(
             progress.stop()
     REPORTERS[fmt].render(report, sys.stdout, verbose=verbose, color=sys.stdout.isatty())
     raise typer.Exit(report.exit_code(fail_on))
+
+
+def _scan_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
+                  exclude: list[str] | None, jobs: int | None) -> ScanOptions:
+    """The ScanOptions of scan's and fix's flags; a usage error for a bad -j."""
+    from cachedoctor.options import ScanOptions
+
+    if jobs is not None and jobs < 1:
+        raise fail("--jobs must be at least 1")
+    options = ScanOptions(deep=deep, select=_codes(select), ignore=_codes(ignore),
+                          exclude=tuple(exclude or ()))
+    return options if jobs is None else ScanOptions(**{**options.__dict__, "jobs": jobs})
 
 
 class _Progress:
@@ -198,7 +204,7 @@ def fix(
     from cachedoctor.repair.caches import cache_roots
 
     try:
-        roots = cache_roots(resolve(targets or ())) if targets else None
+        roots = cache_roots(resolve(targets)) if targets else None
     except TargetError as exc:
         raise fail(str(exc)) from None
     if list_runs:
@@ -209,8 +215,7 @@ def fix(
         return
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file), or --list-runs")
-    if jobs is not None and jobs < 1:
-        raise fail("--jobs must be at least 1")
+    options = _scan_options(deep, select, ignore, exclude, jobs)
     if encoder is not None and not reencode:
         raise fail("--encoder is for --reencode")
     chosen = None
@@ -228,13 +233,7 @@ def fix(
     if not dry_run and not yes and not sys.stdin.isatty():
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
-    from cachedoctor.options import ScanOptions
-
-    options = ScanOptions(deep=deep, select=_codes(select), ignore=_codes(ignore),
-                          exclude=tuple(exclude or ()))
-    if jobs is not None:
-        options = ScanOptions(**{**options.__dict__, "jobs": jobs})
-    raise typer.Exit(_fix(targets or [], roots, options, chosen, dry_run, yes, wait, verbose))
+    raise typer.Exit(_fix(targets, roots, options, chosen, dry_run, yes, wait, verbose))
 
 
 def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encoder: Encoder | None,
