@@ -205,7 +205,7 @@ def fix(
 
     try:
         roots = cache_roots(resolve(targets)) if targets else None
-    except TargetError as exc:
+    except (TargetError, ValueError) as exc:
         raise fail(str(exc)) from None
     if list_runs:
         from cachedoctor.repair.render import render_runs

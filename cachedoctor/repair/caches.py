@@ -30,13 +30,17 @@ def state_dir(root: str) -> str:
 
 
 def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
-    """Every cache root of the layouts' datasets, absolute, in order, without repeats."""
+    """Every cache root of the layouts' datasets, absolute, in order, without repeats. Raises
+    ValueError for a root inside a `.cachedoctor/` dir (the quarantine is not a cache to fix)."""
     roots: list[str] = []
     for layout in layouts:
         for dataset in layout.datasets:
             for cache_dir in dataset.cache_dirs:
                 path = os.path.abspath(cache_dir)
                 root = path if os.path.isdir(path) else os.path.dirname(path)
+                if STATE_DIR in root.split(os.sep):
+                    raise ValueError(f"{cache_dir} is inside cachedoctor's own {STATE_DIR}/ dir: "
+                                     "give the cache dir instead")
                 if root not in roots:
                     roots.append(root)
     return tuple(roots)

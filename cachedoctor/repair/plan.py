@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from cachedoctor.checks import interrupted_write
 from cachedoctor.findings import Finding, Report
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.reencode import EntryFormat, NoFormat, ReencodeTarget, neighbour_format
@@ -28,6 +29,7 @@ KINDS = (QUARANTINE, COMPACT, TO_CPU, REENCODE)  # the order a run applies them 
 REWRITES = frozenset({COMPACT, TO_CPU})
 # DESIGN.md §4's "quarantine (+ re-encode)": under --reencode these entries are encoded again.
 REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD406"})
+RECENT = interrupted_write.RECENT_SECONDS  # a younger temp file may belong to a running writer
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,10 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
             notes.append(Note(finding.code, finding.path, finding.message, finding.details.get("edit")))
         elif finding.fix not in (QUARANTINE, COMPACT, TO_CPU):
             notes.append(_skip(finding.code, finding.path, f"no automatic {finding.fix} in this version"))
+        elif finding.code == interrupted_write.RULE.code and \
+                finding.details.get("age_seconds", RECENT) < RECENT:
+            notes.append(_skip(finding.code, finding.path, "written in the last minutes: its writer may "
+                               "still be running (moving it would break its rename); stop it first"))
         else:
             for path in _files_of(finding):
                 why = _why_not(path, roots)

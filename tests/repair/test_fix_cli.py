@@ -137,15 +137,24 @@ def test_undo_leaves_a_file_changed_since_the_run_alone_and_exits_1(cache: Path)
         (("{cache}", "--reencode", "--encoder", "diffusers:/nowhere"), "needs the diffusers package"),
         (("/definitely/not/here",), "/definitely/not/here: no such file or directory"),
         (("{cache}", "-j", "0"), "--jobs must be at least 1"),
+        (("{cache}/.cachedoctor",), "inside cachedoctor's own .cachedoctor/ dir"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args: tuple[str, ...], message: str, cache: Path) -> None:
     pytest.importorskip("torch")
     if "diffusers:/nowhere" in args and _has_diffusers():
         pytest.skip("diffusers is installed")
+    (cache / ".cachedoctor").mkdir()
     result = run_cli("fix", *(a.format(cache=cache) for a in args))
     assert result.returncode == 2, result
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_a_temp_file_written_minutes_ago_is_left_to_its_writer(cache: Path) -> None:
+    [recent] = BUILDERS["CD104"](cache, age=30)
+    result = run_cli("fix", str(cache), "--yes")
+    assert result.returncode == 0 and recent.exists()
+    assert "its writer may still be running" in result.stdout
 
 
 def test_undo_of_an_unknown_run_exits_2(cache: Path) -> None:
