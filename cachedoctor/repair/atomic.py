@@ -87,38 +87,20 @@ def second_name(src: str, dst: str, part: str) -> None:
     except OSError as exc:
         if exc.errno not in NO_LINK:
             raise
-        _copy(src, part)
-        os.replace(part, dst)
+        _copy(src, dst, part)
     fsync_dir(os.path.dirname(dst))
 
 
 def move(src: str, dst: str, part: str) -> None:
-    """Move `src` to `dst` durably: a rename, or a copy (through `part`) and an unlink of `src`
-    once the copy is safely on disk."""
+    """Move `src` to `dst` durably (over `dst` if it exists): a rename, or, across file systems,
+    a copy through `part` renamed over `dst` and an unlink of `src` once the copy is on disk."""
     ensure_dir(os.path.dirname(dst))
-    try:
-        os.rename(src, dst)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        _copy(src, part)
-        os.replace(part, dst)
-        fsync_dir(os.path.dirname(dst))
-        os.unlink(src)
-    fsync_dir(os.path.dirname(dst))
-    fsync_dir(os.path.dirname(src))
-
-
-def replace(src: str, dst: str, part: str) -> None:
-    """Put `src` in place of `dst` (which may exist) durably, and drop the name `src`: a rename,
-    or a copy to `part` beside `dst` renamed over it, then an unlink of `src`."""
     try:
         os.replace(src, dst)
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-        _copy(src, part)
-        os.replace(part, dst)
+        _copy(src, dst, part)
         fsync_dir(os.path.dirname(dst))
         os.unlink(src)
     fsync_dir(os.path.dirname(dst))
@@ -153,8 +135,8 @@ def same_content(a: str, b: str) -> bool:
     return sha256_file(a) == sha256_file(b)
 
 
-def _copy(src: str, part: str) -> None:
-    """Copy `src` to the temp name `part` (the caller renames it), mode and times kept, fsynced."""
+def _copy(src: str, dst: str, part: str) -> None:
+    """Copy `src` to `part` (mode and times kept, fsynced), then rename it over `dst`."""
     if os.path.lexists(part):
         os.unlink(part)  # ours, from an attempt that died
     with open(src, "rb") as fin, open(part, "xb") as fout:
@@ -162,3 +144,4 @@ def _copy(src: str, part: str) -> None:
         fout.flush()
         shutil.copystat(src, part)
         os.fsync(fout.fileno())
+    os.replace(part, dst)

@@ -56,13 +56,11 @@ def roll_back(record: ActionRecord, root: str) -> str | None:
     if os.path.lexists(original) and atomic.same_content(original, kept):
         atomic.remove(kept)
         return None
-    if not os.path.lexists(original):
+    ours = record.kind != QUARANTINE and record.sha_after and _sha(original) == record.sha_after
+    if ours or not os.path.lexists(original):
         atomic.move(kept, original, paths.restore_temp)
         return None
-    if record.kind != QUARANTINE and record.sha_after and _sha(original) == record.sha_after:
-        atomic.replace(kept, original, paths.restore_temp)
-        return None
-    return (f"{original} has changed since the run: left alone; the original is kept at {kept}")
+    return f"{original} has changed since the run: left alone; the original is kept at {kept}"
 
 
 def _sha(path: str) -> str | None:
