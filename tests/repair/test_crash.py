@@ -201,6 +201,11 @@ def test_sigkill_at_random_moments_then_undo_or_fix(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         state = _progress(cache)
+        now = tree_digest(cache)
+        for finding in scan_paths(cache, deep=True).findings:  # every file old or new, never half
+            rel = os.path.relpath(finding.path, cache)
+            assert os.path.basename(rel).startswith(".cachedoctor-") or now.get(rel) == original.get(rel), \
+                f"trial {i} (seed {seed}), killed at {state}: {rel} is half-written: {finding.message}"
         if i % 6 == 5:  # the next fix finishes the repair (in-process: the same code, no start-up)
             _, again = fix_in_process(cache)
             assert not again.failed, (seed, i, again.failed)
