@@ -14,6 +14,8 @@ from cachedoctor import __version__
 from cachedoctor.harness.cli import harness_app
 
 if TYPE_CHECKING:
+    from cachedoctor.options import ScanOptions
+    from cachedoctor.repair.encoders import Encoder
     from cachedoctor.rule import Rule
 
 app = typer.Typer(
@@ -158,10 +160,24 @@ def _emit(report, reporter, output: Path | None, verbose: bool) -> None:
     typer.echo(f"{brief(report)}\nReport written to {output}")
 
 
-class _Progress:
-    """A rich progress bar on stderr, shown only for scans of more than a few hundred files."""
+def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
+                 exclude: list[str] | None, jobs: int | None) -> ScanOptions:
+    """fix's ScanOptions: the same config files and layering as scan's, with fix's flags on top."""
+    from cachedoctor import config as configuration
+    from cachedoctor.api import resolve_policy
 
-    def __init__(self) -> None:
+    try:
+        return resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
+                              jobs=jobs, source="command line").options
+    except configuration.ConfigError as exc:
+        raise fail(str(exc)) from None
+
+
+class _Progress:
+    """A rich progress bar on stderr, shown only for more than a few hundred files."""
+
+    def __init__(self, label: str = "Scanning") -> None:
+        self._label = label
         self._bar = None
         self._task = None
 
@@ -171,7 +187,7 @@ class _Progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        self._bar = Progress("Scanning", BarColumn(), MofNCompleteColumn(), "files",
+        self._bar = Progress(self._label, BarColumn(), MofNCompleteColumn(), "files",
                              TimeElapsedColumn(), console=Console(stderr=True), transient=True)
         self._task = self._bar.add_task("scan", total=total)
         self._bar.start()
@@ -226,6 +242,175 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code (CD201) or nam
         Console().print(Markdown(page(rule)))
     else:
         typer.echo(f"{heading(rule)}\n\n{rule.doc.strip()}")
+
+
+@app.command()
+def fix(
+    targets: Annotated[list[str] | None, typer.Argument(help="Cache dirs or cache files to repair.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan; change nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking (needed in a pipe).")] = False,
+    select: Annotated[list[str] | None, typer.Option(help="Only findings of these codes or prefixes.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option(help="Not findings of these codes or prefixes.")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="Skip paths matching this glob.")] = None,
+    deep: Annotated[bool, typer.Option(help="Scan whole tensors too (finds CD103, CD106).")] = False,
+    reencode: Annotated[bool, typer.Option(help="Encode quarantined and missing entries again.")] = False,
+    encoder: Annotated[str | None, typer.Option(
+        help="For --reencode: reference | module:callable | diffusers:PATH.")] = None,
+    wait: Annotated[float, typer.Option(help="Wait this many seconds for another fix or undo "
+                                             "on the same cache (default: fail at once).")] = 0.0,
+    list_runs: Annotated[bool, typer.Option("--list-runs", help="List the runs (of TARGETs' caches, "
+                                            "or of every cache you fixed) and exit.")] = False,
+    jobs: Annotated[int | None, typer.Option("-j", "--jobs", help="Scan worker processes.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every file of the plan.")] = False,
+) -> None:
+    """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
+
+    Exit 0 when every action was applied (or there was nothing to do), 1 when some action
+    failed and was rolled back, 2 on a usage or environment error.
+    """
+    from cachedoctor.layouts import TargetError, resolve
+    from cachedoctor.repair.caches import cache_roots
+
+    try:
+        roots = cache_roots(resolve(targets)) if targets else None
+    except (TargetError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    if list_runs:
+        from cachedoctor.repair.render import render_runs
+        from cachedoctor.repair.undo import list_runs as runs_of
+
+        render_runs(runs_of(roots), sys.stdout)
+        return
+    if roots is None:
+        raise fail("fix needs a TARGET (a cache dir or file), or --list-runs")
+    options = _fix_options(deep, select, ignore, exclude, jobs)
+    if encoder is not None and not reencode:
+        raise fail("--encoder is for --reencode")
+    chosen = None
+    if reencode:
+        from cachedoctor.repair.encoders import EncoderError
+        from cachedoctor.repair.encoders import resolve as resolve_encoder
+
+        if encoder is None:
+            raise fail("--reencode needs --encoder: reference (the test harness's stand-in VAE), "
+                       "module:callable, or diffusers:PATH")
+        try:
+            chosen = resolve_encoder(encoder)
+        except EncoderError as exc:
+            raise fail(str(exc)) from None
+    if not dry_run and not yes and not sys.stdin.isatty():
+        raise fail("not changing files without --yes when stdin is not a terminal "
+                   "(--dry-run shows the plan)")
+    raise typer.Exit(_fix(targets, roots, options, chosen, dry_run, yes, wait, verbose))
+
+
+def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encoder: Encoder | None,
+         dry_run: bool, yes: bool, wait: float, verbose: bool) -> int:
+    import contextlib
+
+    from cachedoctor.engine import scan as run_scan
+    from cachedoctor.repair import build_plan, recover_caches
+    from cachedoctor.repair.apply import RunStopped
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.lock import LockBusy, locked
+    from cachedoctor.repair.plan import Reencode
+    from cachedoctor.repair.render import render_plan, render_result
+
+    try:
+        with contextlib.ExitStack() as stack:
+            if not dry_run:  # a dry run takes no lock and creates nothing
+                stack.enter_context(locked(roots, wait, "fix"))
+                for note in recover_caches(roots):
+                    typer.echo(note)
+            else:
+                _pending_notes(roots)
+            report = run_scan(targets, options)
+            plan = build_plan(report, roots, Reencode(encoder) if encoder else None)
+            render_plan(plan, sys.stdout, verbose=verbose)
+            if not plan.actions:
+                typer.echo("Nothing to fix.")
+                return 0
+            if dry_run:
+                typer.echo("Dry run: nothing changed.")
+                return 0
+            if not yes and not typer.confirm("Apply this plan?", default=False):
+                typer.echo("Nothing changed.")
+                return 0
+            progress = _Progress("Repairing") if sys.stderr.isatty() else None
+
+            def started(run_id: str) -> None:
+                typer.echo(f"Applying run {run_id} (if it is interrupted, the next fix or "
+                           f"`cachedoctor undo {run_id}` finishes it)")
+                if progress:
+                    progress.start(len(plan.actions))
+
+            try:
+                result = plan.execute(wait=wait, on_start=started,
+                                      on_outcome=(lambda _: progress.advance(1)) if progress else None)
+            finally:
+                if progress:
+                    progress.stop()
+            render_result(result, sys.stdout, verbose=verbose)
+            for note in result.notes:
+                typer.echo(note, err=True)
+            return EXIT_FINDINGS if result.failed else 0
+    except (LockBusy, JournalError) as exc:
+        raise fail(str(exc)) from None
+    except RunStopped as exc:
+        typer.echo(f"cachedoctor: run stopped: {exc}", err=True)
+        return EXIT_FINDINGS
+    except OSError as exc:
+        raise fail(f"{exc.filename or ''}: {exc.strerror or exc}") from None
+
+
+def _pending_notes(roots: tuple[str, ...]) -> None:
+    from cachedoctor.repair.journal import RUNNING, UNDOING
+    from cachedoctor.repair.undo import list_runs
+
+    for summary in list_runs(roots):
+        if summary.run.state in (RUNNING, UNDOING):
+            typer.echo(f"Run {summary.run.run_id} on {summary.root} is under way or was interrupted: "
+                       "the next fix or undo finishes it (a dry run leaves it).")
+
+
+@app.command()
+def undo(
+    run_id: Annotated[str | None, typer.Argument(help="The run to undo (default: the latest not undone).")] = None,
+    cache: Annotated[list[str] | None, typer.Option(
+        help="The cache dir(s) whose journal to use (default: every cache you ran fix on).")] = None,
+    wait: Annotated[float, typer.Option(help="Wait this many seconds for a fix or undo running "
+                                             "on the same cache.")] = 0.0,
+) -> None:
+    """Put back every file a fix run changed, byte for byte.
+
+    Exit 0 when every file is back (or there was nothing to undo), 1 when some file had
+    changed since the run and was left alone, 2 on a usage or environment error.
+    """
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.lock import LockBusy
+    from cachedoctor.repair.undo import NothingToUndo, undo_run
+
+    for directory in cache or ():
+        if not os.path.isdir(directory):
+            raise fail(f"--cache {directory}: not a directory")
+    try:
+        results = undo_run(run_id, cache, wait)
+    except NothingToUndo as exc:
+        if run_id is not None:
+            raise fail(str(exc)) from None
+        typer.echo(f"{str(exc)[0].upper()}{str(exc)[1:]}.")
+        return
+    except (LockBusy, JournalError) as exc:
+        raise fail(str(exc)) from None
+    conflicts = 0
+    for result in results:
+        for note in result.recovered:
+            typer.echo(note)
+        typer.echo(f"Undid run {result.run_id} in {result.root}: {result.restored} file(s) put back.")
+        for why in result.conflicts:
+            typer.echo(f"  left alone: {why}")
+        conflicts += len(result.conflicts)
+    raise typer.Exit(EXIT_FINDINGS if conflicts else 0)
 
 
 DEMO_MARKER = Path(".cachedoctor") / "demo"

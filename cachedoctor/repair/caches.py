@@ -1,0 +1,96 @@
+"""Which cache a file belongs to, and where that cache keeps cachedoctor's own state.
+
+A cache root is a dataset's cache dir: a bare target dir, or the dir of a single-file target.
+Each root holds `.cachedoctor/` (the scan never walks it):
+
+    .cachedoctor/journal.sqlite                 what every run did, written before it does it
+    .cachedoctor/lock                           flock'ed by the fix or undo working on the cache
+    .cachedoctor/quarantine/<run>/<relpath>     every file a run removed or replaced
+
+Everything a run touches has a name derived from (root, run id, sequence number, relative
+path), so recovery finds it from the journal alone, even where the cache dir was moved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cachedoctor.inventory import STATE_DIR
+from cachedoctor.layouts import Layout
+
+JOURNAL = "journal.sqlite"
+LOCK = "lock"
+QUARANTINE_DIR = "quarantine"
+
+
+def state_dir(root: str) -> str:
+    return os.path.join(root, STATE_DIR)
+
+
+def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
+    """Every cache root of the layouts' datasets, absolute, in order, without repeats. Raises
+    ValueError for a root inside a `.cachedoctor/` dir (the quarantine is not a cache to fix)."""
+    roots: list[str] = []
+    for layout in layouts:
+        for dataset in layout.datasets:
+            for cache_dir in dataset.cache_dirs:
+                path = os.path.abspath(cache_dir)
+                root = path if os.path.isdir(path) else os.path.dirname(path)
+                if STATE_DIR in root.split(os.sep):
+                    raise ValueError(f"{cache_dir} is inside cachedoctor's own {STATE_DIR}/ dir: "
+                                     "give the cache dir instead")
+                if root not in roots:
+                    roots.append(root)
+    return tuple(roots)
+
+
+def root_of(path: str, roots: Iterable[str]) -> str | None:
+    """The innermost root that holds `path` (an absolute path, as findings carry)."""
+    best = None
+    for root in roots:
+        if path.startswith(root.rstrip(os.sep) + os.sep) and (best is None or len(root) > len(best)):
+            best = root
+    return best
+
+
+@dataclass(frozen=True)
+class ActionPaths:
+    """The names one action of one run uses. Temp names start with `.cachedoctor-<run>-` and
+    belong to cachedoctor: recovery removes them; nothing else of the user's is ever removed."""
+
+    root: str
+    run_id: str
+    seq: int
+    relpath: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.relpath)
+
+    @property
+    def quarantine(self) -> str:
+        return os.path.join(state_dir(self.root), QUARANTINE_DIR, self.run_id, self.relpath)
+
+    def _beside(self, path: str, suffix: str) -> str:
+        return os.path.join(os.path.dirname(path), f".cachedoctor-{self.run_id}-{self.seq}{suffix}")
+
+    @property
+    def temp(self) -> str:
+        """The new content, written beside the file and renamed over it."""
+        return self._beside(self.path, ".tmp")
+
+    @property
+    def part(self) -> str:
+        """A copy into the quarantine under way (only where a hard link or rename cannot do)."""
+        return self._beside(self.quarantine, ".part")
+
+    @property
+    def restore_temp(self) -> str:
+        """A copy back from the quarantine under way (only where a rename cannot do)."""
+        return self._beside(self.path, ".undo.tmp")
+
+    @property
+    def leftovers(self) -> tuple[str, str, str]:
+        return (self.temp, self.part, self.restore_temp)
