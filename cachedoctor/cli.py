@@ -81,8 +81,7 @@ def scan(
         raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(REPORTERS)}")
     if fail_on is not None and fail_on not in ("error", "warning", "info", "never"):
         raise fail(f"unknown --fail-on {fail_on!r}: expected error, warning, info or never")
-    if jobs is not None and jobs < 1:
-        raise fail("--jobs must be at least 1")
+    _check_jobs(jobs)
     import dataclasses
 
     from cachedoctor import baseline as baselines
@@ -160,12 +159,18 @@ def _emit(report, reporter, output: Path | None, verbose: bool) -> None:
     typer.echo(f"{brief(report)}\nReport written to {output}")
 
 
+def _check_jobs(jobs: int | None) -> None:
+    if jobs is not None and jobs < 1:
+        raise fail("--jobs must be at least 1")
+
+
 def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
                  exclude: list[str] | None, jobs: int | None) -> ScanOptions:
     """fix's ScanOptions: the same config files and layering as scan's, with fix's flags on top."""
     from cachedoctor import config as configuration
     from cachedoctor.api import resolve_policy
 
+    _check_jobs(jobs)
     try:
         return resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
                               jobs=jobs, source="command line").options
