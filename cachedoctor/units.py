@@ -18,3 +18,13 @@ def age(seconds: float) -> str:
         if seconds < limit:
             return f"{seconds / size:.0f} {unit}"
     return f"{seconds / 86400:.0f} days"
+
+
+def shape_text(shape: tuple[int, ...] | None) -> str:
+    """(4, 64, 64) -> '[4, 64, 64]'."""
+    return "[?]" if shape is None else "[" + ", ".join(map(str, shape)) + "]"
+
+
+def count_text(n: int, what: str) -> str:
+    """(1, 'file') -> '1 file'; (3, 'file') -> '3 files'."""
+    return f"{n:,} {what}{'s' * (n != 1)}"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
-
 from cachedoctor.checks import RULES
 from cachedoctor.cli import rules_table
+
+from conftest import REPO
 
 README = (REPO / "README.md").read_text()
 

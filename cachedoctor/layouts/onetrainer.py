@@ -53,6 +53,7 @@ VARIATION = re.compile(r"^variation-\d+$")
 IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".jxl", ".avif")
 NOT_SAMPLES = ("-masklabel", "-condlabel")
 VAE_FACTOR = 8
+SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
 
 
 def claims(config: ConfigFile) -> bool:
@@ -155,7 +156,8 @@ def load(config: ConfigFile) -> Layout:
         cache_rebuilt_at_start=clear and latent_caching,
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
-                        "train_device": train_device}),
+                        "train_device": train_device,
+                        "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching),
     )

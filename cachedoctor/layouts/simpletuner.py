@@ -290,11 +290,14 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
                 datasets.append(made)
     for entry in text:
         directory = text_dirs[entry.id]
-        origin = backend.origin(entry.index, "cache_dir") if entry.index >= 0 else None
+        origin = (backend.origin(entry.index, "cache_dir") if entry.index >= 0
+                  else Origin(backend.path, "cache_dir_text", None))
         datasets.append(Dataset(
             entry.id, cache_dirs=(directory,), text_cache_dir=directory,
             model_family=g.model_family, processes=g.processes,
-            origins=frozen({"text_cache_dir": origin} if origin else {}),
+            options=frozen({"suggest:text_cache_dir":
+                            '"cache_dir": "{output_dir}/cache/text/{model_family}"'}),
+            origins=frozen({"text_cache_dir": origin}),
         ))
     return Layout(NAME, source, tuple(datasets), tuple(problems.items), files, g.root,
                   _reason(g.root))
@@ -423,7 +426,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         "compress_cache": _flag(backend, problems, entry, "compress_cache",
                                 _global_flag(g, "compress_disk_cache", True)),
         "crop_aspect": values.get("crop_aspect"),
-        "cache_dir_vae_default": "{output_dir}/cache/vae/{model_family}/{id}",
+        "suggest:latent_cache_dir": f'"cache_dir_vae": "{{output_dir}}/cache/vae/{{model_family}}/{ident}"',
     }
     origins = {
         "image_dir": backend.origin(i, key),
