@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from cachedoctor.findings import Finding, Severity
+from cachedoctor.findings import Finding, Severity, display_path
 from cachedoctor.layouts.base import Layout
 from cachedoctor.layouts.paths import canonical
 from cachedoctor.rule import Rule, RuleContext
@@ -43,7 +43,7 @@ def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Findi
                 yield RULE.config_finding(
                     origin,
                     f"vae_cache_clear_each_epoch is true with {d.processes} processes"
-                    f"{f' ({where})' if where else ''}: every rank clears the cache on its own "
+                    f"{f' ({display_path(str(where))})' if where else ''}: every rank clears the cache on its own "
                     "and deletes latents the others still need; set "
                     '"vae_cache_clear_each_epoch": false',
                     d.id, '"vae_cache_clear_each_epoch": false', processes=d.processes)
@@ -57,10 +57,11 @@ def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Findi
             for o in other.datasets)]
         origin = d.origin("clear_cache_before_training") or d.origin("latent_cache_dir")
         if others and origin is not None:
-            names = ", ".join(str(o.source) for o in others)
+            names = ", ".join(display_path(str(o.source)) for o in others)
             yield RULE.config_finding(
                 origin,
-                f"clear_cache_before_training with cache_dir \"{d.options['cache_dir']}\", which "
+                f'clear_cache_before_training with cache_dir "{display_path(d.options["cache_dir"])}", '
+                f"which "
                 f"{names} uses too: each run's start deletes the other's image/ and text/ "
                 'caches; set "clear_cache_before_training": false or give each config a '
                 "cache_dir of its own",

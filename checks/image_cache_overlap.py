@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from cachedoctor.findings import Finding, Severity
+from cachedoctor.findings import Finding, Severity, display_path
 from cachedoctor.layouts.base import Layout
 from cachedoctor.layouts.paths import relation
 from cachedoctor.rule import Rule, RuleContext
@@ -60,9 +60,9 @@ def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Findi
                     whose = "" if owner is d else f" of dataset {owner.id}"
                     image_key = image_origin.key if image_origin else "the image dir"
                     change = d.options.get(f"suggest:{fact}")
-                    message = (f'{origin.key} "{cache_dir}" {RELATION[how]} {image_key} '
-                               f'"{image_dir}"{whose}: the trainer takes cache files for images '
-                               "and images for cache entries")
+                    message = (f'{origin.key} "{display_path(cache_dir)}" {RELATION[how]} '
+                               f'{image_key} "{display_path(image_dir)}"{whose}: the trainer '
+                               "takes cache files for images and images for cache entries")
                     if change:
                         message += f"; use {change}"
                     yield RULE.config_finding(origin, message, d.id, change, relation=how,

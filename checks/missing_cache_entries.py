@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from cachedoctor.findings import Finding, Severity
+from cachedoctor.findings import Finding, Severity, display_path
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -39,7 +39,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     facts = ctx.facts
     if facts is None or facts.cache_rebuilt_at_start or not view.has_cache_entries():
         return
-    where = facts.latent_cache_dir or "the cache"
+    where = display_path(facts.latent_cache_dir) if facts.latent_cache_dir else "the cache"
     for path, key in view.missing():
         entry = facts.naming.expected_entry(path)
         place = "beside it" if facts.caches_beside_images and "beside" in entry else f"in {where}"

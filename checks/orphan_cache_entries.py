@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
+from cachedoctor.units import count_text
 
 WHY = {
     "unhashed": "old unhashed name: SimpleTuner names entries sha256(stem).pt and never reads "
@@ -57,9 +58,9 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             gone.append(path)
     if gone and facts.listing is not None:
         names = ", ".join(os.path.basename(p) for p in gone[:3]) + (", …" if len(gone) > 3 else "")
-        yield RULE.finding(facts.listing.file, f"lists {len(gone):,} image"
-                           f"{'s' * (len(gone) != 1)} that no longer exist: {names}", ctx,
-                           images=gone)
+        verb = "no longer exists" if len(gone) == 1 else "no longer exist"
+        yield RULE.finding(facts.listing.file, f"lists {count_text(len(gone), 'image')} that "
+                           f"{verb}: {names}", ctx, images=gone)
 
 
 RULE = Rule(

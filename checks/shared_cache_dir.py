@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from cachedoctor.findings import Finding, Severity
+from cachedoctor.findings import Finding, Severity, display_path
 from cachedoctor.layouts.base import Layout
 from cachedoctor.layouts.paths import relation
 from cachedoctor.rule import Rule, RuleContext
@@ -47,23 +47,25 @@ def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Findi
             for other, other_path, other_origin in latent[:i]:
                 how = relation(path, other_path)
                 if how is not None:
+                    where = display_path(str(other_origin))
                     yield _finding(d, origin, path, f"{RELATION[how]} dataset {other.id}'s "
-                                   f"({other_origin})", "their latents mix in one cache", how)
+                                   f"({where})", "their latents mix in one cache", how)
                     break
             for other, other_path, other_origin in text:
                 if other is d and other_origin == origin:
                     continue  # one configured dir split by the trainer (OneTrainer image/, text/)
                 how = relation(path, other_path)
                 if how is not None:
+                    where = display_path(str(other_origin))
                     yield _finding(d, origin, path, f"{RELATION[how]} the text embed cache dir "
-                                   f'"{other_path}" ({other_origin})', "text embeddings are "
-                                   "taken for latents and latents for embeddings", how)
+                                   f'"{display_path(other_path)}" ({where})', "text embeddings "
+                                   "are taken for latents and latents for embeddings", how)
                     break
 
 
 def _finding(d, origin, path: str, what: str, why: str, how: str) -> Finding:
     change = d.options.get("suggest:latent_cache_dir")
-    message = f'{origin.key} "{path}" of dataset {d.id} {what}: {why}'
+    message = f'{origin.key} "{display_path(path)}" of dataset {d.id} {what}: {why}'
     if change:
         message += f"; use {change}"
     return RULE.config_finding(origin, message, d.id, change, relation=how, cache_dir=path)

@@ -47,7 +47,12 @@ class ConfigFile:
 
 
 def key_text(keys: Path_) -> str:
-    """("datasets", 0, "subsets", 1, "image_dir") -> "datasets[0].subsets[1].image_dir"."""
+    """("datasets", 0, "subsets", 1, "image_dir") -> "datasets[0].subsets[1].image_dir".
+
+    The index into a top-level list (SimpleTuner's datasets, OneTrainer's concepts) is left
+    out: the line already says which item, and the key reads as the user wrote it."""
+    if keys and isinstance(keys[0], int) and len(keys) > 1:
+        keys = keys[1:]
     out = ""
     for key in keys:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))

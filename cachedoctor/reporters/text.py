@@ -22,12 +22,18 @@ def render(report: Report, out: TextIO, *, verbose: bool = False, color: bool = 
     else:
         for f in report.findings:
             dataset = f" [{printable(f.dataset)}]" if f.dataset else ""
-            out.write(f"{display_path(f.path, cwd)}: {f.code} {f.severity}{dataset} "
+            out.write(f"{where(f, cwd)}: {f.code} {f.severity}{dataset} "
                       f"{printable(f.message)}\n")
     out.write(summary_line(report) + "\n")
     hint = next_steps(report)
     if hint:
         out.write(hint + "\n")
+
+
+def where(finding: Finding, cwd: str | None = None) -> str:
+    """The finding's path as the user would type it; `file:line` for a config finding."""
+    line = finding.details.get("line")
+    return display_path(finding.path, cwd) + (f":{line}" if line else "")
 
 
 def _groups(report: Report, verbose: bool) -> list[list[Finding]]:
@@ -50,10 +56,10 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
         table.add_column(column, overflow="fold", no_wrap=column in ("rule", "sev"))
     for group in _groups(report, verbose):
         first = group[0]
-        where = display_path(first.path, cwd)
+        place = where(first, cwd)
         what = first.message
         if len(group) > 1:
-            where += f" (+{len(group) - 1})"
+            place += f" (+{len(group) - 1})"
             wasted = sum(int(f.details.get("wasted_bytes", 0)) for f in group)
             if wasted:
                 what += f"; {human_bytes(wasted)} wasted in {len(group):,} files"
@@ -63,7 +69,7 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
             printable(first.dataset or "-"),
             first.code,
             f"[{STYLE[first.severity]}]{first.severity}[/]",
-            printable(where),
+            printable(place),
             printable(what),
         )
     console.print(table)
