@@ -41,11 +41,9 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         return
     where = display_path(facts.latent_cache_dir) if facts.latent_cache_dir else "the cache"
     for path, key in view.missing():
-        entry = facts.naming.expected_entry(path)
-        place = "beside it" if facts.caches_beside_images and "beside" in entry else f"in {where}"
-        text = entry if "beside" in entry else f"{entry} {place}"
-        yield RULE.finding(path, f"no cached latent: expected {text}", ctx, key=key,
-                           expected_entry=entry, cache_dir=facts.latent_cache_dir)
+        yield RULE.finding(path, f"no cached latent: {facts.naming.missing_text(path, where)}",
+                           ctx, key=key, expected_entry=facts.naming.expected_entry(path),
+                           cache_dir=facts.latent_cache_dir)
 
 
 RULE = Rule(

@@ -136,6 +136,9 @@ class AIToolkitNaming(Naming):
         stem = os.path.splitext(os.path.basename(image))[0]
         return f"{LATENT_DIR}/{stem}_<hash>.safetensors"
 
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        return f"expected {self.expected_entry(image)} beside it, with its name in the header"
+
 
 class _Directory(DirectoryNaming):
     def __init__(self, naming: AIToolkitNaming, path: str) -> None:

@@ -104,6 +104,10 @@ class Naming:
         """How the cache entry of `image` is named, for messages."""
         return "a cache entry"
 
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        """What is missing for `image`, for CD404's message."""
+        return f"expected {self.expected_entry(image)} in {cache_dir}"
+
 
 FOLDERS = Naming()
 

@@ -363,7 +363,11 @@ class KohyaNaming(Naming):
 
     def expected_entry(self, image: str) -> str:
         stem = os.path.splitext(os.path.basename(image))[0]
-        return f"{stem}_<W>x<H>_<arch>.npz beside it"
+        return f"{stem}_<W>x<H>_<arch>.npz"
+
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        stem = os.path.splitext(os.path.basename(image))[0]
+        return f"expected {stem}_<W>x<H>_<arch>.npz (or {stem}.npz) beside it"
 
 
 class _Directory(DirectoryNaming):

@@ -243,7 +243,10 @@ class OneTrainerNaming(Naming):
         return _Directory(self, path, area)
 
     def expected_entry(self, image: str) -> str:
-        return "an entry in an aggregate.pt of <cache_dir>/image"
+        return "an entry in an aggregate.pt"
+
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        return f"no aggregate.pt under {cache_dir} lists it"
 
 
 class _Directory(DirectoryNaming):
