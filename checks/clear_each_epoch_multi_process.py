@@ -2,7 +2,8 @@
 Reports cache clearing that races with other processes: SimpleTuner's
 `vae_cache_clear_each_epoch: true` on a dataset trained with more than one process
 (`--num_processes`, `TRAINING_NUM_PROCESSES`), and OneTrainer's `clear_cache_before_training`
-(the default) in a config whose `cache_dir` another config of the scan shares.
+(the default) in a config whose `cache_dir` another OneTrainer config of the same working dir
+(its `training_presets/`, or its own folder) uses too.
 
 ## Why is this bad?
 At each epoch rollover every SimpleTuner rank clears the dataset's cache and rebuilds its own
@@ -30,7 +31,6 @@ from collections.abc import Iterator, Sequence
 
 from cachedoctor.findings import Finding, Severity, display_path
 from cachedoctor.layouts.base import Layout
-from cachedoctor.layouts.paths import canonical
 from cachedoctor.rule import Rule, RuleContext
 
 
@@ -47,25 +47,19 @@ def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Findi
                     "and deletes latents the others still need; set "
                     '"vae_cache_clear_each_epoch": false',
                     d.id, '"vae_cache_clear_each_epoch": false', processes=d.processes)
-    clearing = [(layout, d) for layout in layouts for d in layout.datasets
-                if d.options.get("clear_cache_before_training") and d.options.get("latent_caching")
-                and d.options.get("cache_dir")]
-    for layout, d in clearing:
-        mine = canonical(d.options["cache_dir"])
-        others = [other for other in layouts if other is not layout and any(
-            o.options.get("cache_dir") and canonical(o.options["cache_dir"]) == mine
-            for o in other.datasets)]
-        origin = d.origin("clear_cache_before_training") or d.origin("latent_cache_dir")
-        if others and origin is not None:
-            names = ", ".join(display_path(str(o.source)) for o in others)
-            yield RULE.config_finding(
-                origin,
-                f'clear_cache_before_training with cache_dir "{display_path(d.options["cache_dir"])}", '
-                f"which "
-                f"{names} uses too: each run's start deletes the other's image/ and text/ "
-                'caches; set "clear_cache_before_training": false or give each config a '
-                "cache_dir of its own",
-                d.id, '"clear_cache_before_training": false', shared_with=[o.source for o in others])
+        for d in layout.datasets:
+            shared = d.options.get("cache_shared_with")
+            origin = d.origin("clear_cache_before_training") or d.origin("latent_cache_dir")
+            if shared and origin is not None:
+                names = ", ".join(display_path(p) for p in shared)
+                yield RULE.config_finding(
+                    origin,
+                    f'clear_cache_before_training with cache_dir '
+                    f'"{display_path(d.options["cache_dir"])}", which {names} uses too: each '
+                    "run's start deletes the other's image/ and text/ caches; set "
+                    '"clear_cache_before_training": false or give each config a cache_dir of '
+                    "its own",
+                    d.id, '"clear_cache_before_training": false', shared_with=list(shared))
 
 
 RULE = Rule(

@@ -40,7 +40,7 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, parent_named, typed
-from cachedoctor.layouts.paths import resolve
+from cachedoctor.layouts.paths import canonical, resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
 
@@ -133,6 +133,7 @@ def load(config: ConfigFile) -> Layout:
         if not typed(where, problems, at, concept, "include_subdirectories", bool, False, ident):
             shallow.append(directory)
     aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
+    shared = _sharing(config.path, root, cache_dir) if clear and latent_caching else ()
     origins = {
         "latent_cache_dir": config.origin("cache_dir"),
         "text_cache_dir": config.origin("cache_dir"),
@@ -156,7 +157,7 @@ def load(config: ConfigFile) -> Layout:
         cache_rebuilt_at_start=clear and latent_caching,
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
-                        "train_device": train_device,
+                        "train_device": train_device, "cache_shared_with": shared,
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching),
@@ -188,6 +189,25 @@ def _concepts(config: ConfigFile, root: str, ident: str,
                          f"{type(concepts.data).__name__}: expected a list of concepts", ident)
         return None, concepts
     return concepts.data, concepts
+
+
+def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
+    """The other OneTrainer configs of this working dir that use the same cache_dir."""
+    mine = canonical(cache_dir)
+    found = []
+    for other in discover(root) + discover(os.path.dirname(path)):
+        if os.path.realpath(other) == os.path.realpath(path) or other in found:
+            continue
+        try:
+            config = load_config(other, "json")
+        except Exception:  # a broken sibling is not what is being scanned
+            continue
+        if not claims(config):
+            continue
+        value = config.data.get("cache_dir", "workspace-cache/run")
+        if isinstance(value, str) and canonical(resolve(working_dir(other), value)) == mine:
+            found.append(other)
+    return tuple(found)
 
 
 # -- aggregate.pt --------------------------------------------------------------------------------
