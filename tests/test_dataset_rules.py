@@ -141,3 +141,15 @@ def test_simpletuner_config_formats_agree(tmp_path: Path) -> None:
 def test_a_pool_of_workers_gives_the_same_findings(tmp_path: Path) -> None:
     project = simpletuner.build(tmp_path / "project", defects=["CD301", "CD404", "CD407"])
     assert scan_paths(project.config, jobs=2).findings == scan_paths(project.config).findings
+
+
+def test_demo_project_shows_the_dataset_and_config_rules(tmp_path: Path) -> None:
+    from cachedoctor.fixtures import write_demo_project
+
+    found = write_demo_project(tmp_path / "demo")
+    assert set(found) >= {"CD301", "CD302", "CD303", "CD304", "CD305", "CD401", "CD402",
+                          "CD403", "CD404", "CD405", "CD406", "CD407", "CD408", "CD409"}
+    report = scan_paths(tmp_path / "demo")
+    for code, paths in found.items():
+        fired = {f.path for f in report.findings if f.code == code}
+        assert {str(p) for p in paths} <= fired, code
