@@ -17,6 +17,7 @@ import itertools
 import marshal
 import re
 import sqlite3
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -178,6 +179,20 @@ def encode(summary: FileSummary) -> tuple[str, bytes]:
     return summary.dataset or "", marshal.dumps(tuple(summary))
 
 
+class Group(NamedTuple):
+    """The facts of a summary that dataset rules compare (see DatasetView.tally)."""
+
+    role: str
+    family: str | None
+    bucket: str | None
+    shape: tuple[int, ...] | None
+    expected: tuple[int, int] | None
+    dtype: str | None
+    format: str
+    locations: tuple[str, ...]
+    signature: tuple[tuple[str, int | None], ...]
+
+
 # (dataset, side, key, path, mtime, flag, note)
 CoverageRow = tuple[str, int, "str | None", str, float, int, "str | None"]
 
@@ -189,6 +204,17 @@ class DatasetView:
     def __init__(self, db: sqlite3.Connection, dataset: str) -> None:
         self._db = db
         self.dataset = dataset
+        self._tally: Counter[Group] | None = None
+
+    def tally(self) -> Counter[Group]:
+        """How many summaries share each Group of facts, counted in one pass that every rule
+        shares: a rule looks for trouble here and reads the files one by one only when it
+        found some (memory: one entry per distinct group, not per file)."""
+        if self._tally is None:
+            self._tally = Counter(
+                Group(s.role, s.family, s.bucket, s.shape, s.expected, s.dtype, s.format,
+                      s.locations, s.signature) for s in self)
+        return self._tally
 
     def __iter__(self) -> Iterator[FileSummary]:
         cursor = self._db.execute("SELECT blob FROM s WHERE dataset = ? ORDER BY rowid",

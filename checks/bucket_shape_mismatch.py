@@ -52,12 +52,12 @@ def majority(counts: Counter, expected: tuple[int, int] | None) -> tuple:
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: dict[tuple, Counter] = defaultdict(Counter)
     expected: dict[tuple, tuple[int, int]] = {}
-    for s in view:
-        if s.role == LATENT and s.bucket is not None and s.shape:
-            group = (s.family, s.bucket)
-            counts[group][s.shape] += 1
-            if s.expected is not None:
-                expected.setdefault(group, s.expected)
+    for g, n in view.tally().items():
+        if g.role == LATENT and g.bucket is not None and g.shape:
+            group = (g.family, g.bucket)
+            counts[group][g.shape] += n
+            if g.expected is not None:
+                expected.setdefault(group, g.expected)
     mixed = {g: majority(c, expected.get(g)) for g, c in counts.items() if len(c) > 1}
     if not mixed:
         return

@@ -33,14 +33,18 @@ from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
 
+def wrong(role: str, shape: tuple[int, ...] | None, expected: tuple[int, int] | None) -> bool:
+    return (role == LATENT and expected is not None and shape is not None and len(shape) >= 2
+            and tuple(shape[-2:]) != expected)
+
+
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    if not any(wrong(g.role, g.shape, g.expected) for g in view.tally()):
+        return
     for s in view:
-        if s.role != LATENT or s.expected is None or not s.shape or len(s.shape) < 2:
+        if not wrong(s.role, s.shape, s.expected):
             continue
-        actual = tuple(s.shape[-2:])
-        if actual == s.expected:
-            continue
-        (h, w), (eh, ew) = actual, s.expected
+        (h, w), (eh, ew) = s.shape[-2:], s.expected
         yield RULE.finding(
             s.path,
             f"latent is {h}x{w} (h x w); bucket {s.bucket} needs {eh}x{ew}: it was encoded at "

@@ -49,19 +49,20 @@ def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: Counter[str] = Counter()
-    common = None
-    for s in view:
-        if len(s.locations) != 1:
-            continue  # a file mixed within itself is reported by check_file
-        counts[s.locations[0]] += 1
-        folder = os.path.dirname(s.path)
-        common = folder if common is None else os.path.commonpath([common, folder])
-    if len(counts) < 2 or common is None:
+    for g, n in view.tally().items():
+        if len(g.locations) == 1:  # a file mixed within itself is reported by check_file
+            counts[g.locations[0]] += n
+    if len(counts) < 2:
         return
     off_cpu = []  # what the fix rewrites
+    folders = set()
     for s in view:
-        if len(s.locations) == 1 and s.locations[0] != "cpu" and len(off_cpu) < MAX_LISTED:
+        if len(s.locations) != 1:
+            continue
+        folders.add(os.path.dirname(s.path))
+        if s.locations[0] != "cpu" and len(off_cpu) < MAX_LISTED:
             off_cpu.append(s.path)
+    common = os.path.commonpath(sorted(folders))
     text = ", ".join(f"{loc}: {n:,} file{'s' * (n != 1)}" for loc, n in counts.most_common())
     yield RULE.finding(common, f"files saved from different devices: {text}", ctx,
                        locations=dict(counts), files=off_cpu)

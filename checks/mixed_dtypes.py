@@ -40,24 +40,23 @@ CONTAINER = {TORCH_ZIP: "torch", TORCH_LEGACY: "torch"}  # one writer, two torch
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: dict[tuple, Counter] = defaultdict(Counter)
-    common: dict[tuple, str] = {}
-    for s in view:
-        if s.dtype is None:
-            continue
-        group = (s.role, s.family, CONTAINER.get(s.format, s.format))
-        counts[group][s.dtype] += 1
-        folder = os.path.dirname(s.path)
-        seen = common.get(group)
-        common[group] = folder if seen is None else os.path.commonpath([seen, folder])
+    for g, n in view.tally().items():
+        if g.dtype is not None:
+            counts[(g.role, g.family, CONTAINER.get(g.format, g.format))][g.dtype] += n
     mixed = {g: c for g, c in counts.items() if len(c) > 1}
     if not mixed:
         return
+    major = {g: c.most_common(1)[0][0] for g, c in mixed.items()}
     minority: dict[tuple, list[str]] = defaultdict(list)
+    folders: dict[tuple, set[str]] = defaultdict(set)
     for s in view:
         group = (s.role, s.family, CONTAINER.get(s.format, s.format))
-        if (group in mixed and s.dtype != mixed[group].most_common(1)[0][0]
-                and len(minority[group]) < MAX_LISTED):
+        if group not in mixed:
+            continue
+        folders[group].add(os.path.dirname(s.path))
+        if s.dtype != major[group] and len(minority[group]) < MAX_LISTED:
             minority[group].append(s.path)
+    common = {g: os.path.commonpath(sorted(f)) for g, f in folders.items()}
     facts = ctx.facts
     for group, dtype_counts in sorted(mixed.items(), key=lambda g: str(g[0])):
         role, family, _ = group

@@ -43,9 +43,9 @@ def channels(shape: tuple[int, ...]) -> int | None:
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: dict[str | None, Counter] = defaultdict(Counter)
-    for s in view:
-        if s.role == LATENT and s.shape and channels(s.shape) is not None:
-            counts[s.family][channels(s.shape)] += 1
+    for g, n in view.tally().items():
+        if g.role == LATENT and g.shape and channels(g.shape) is not None:
+            counts[g.family][channels(g.shape)] += n
     mixed = {f: c.most_common(1)[0][0] for f, c in counts.items() if len(c) > 1}
     if not mixed:
         return

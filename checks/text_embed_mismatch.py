@@ -53,9 +53,9 @@ def describe(theirs: tuple, ours: tuple) -> str:
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: Counter = Counter()
-    for s in view:
-        if s.role == TEXT and s.signature:
-            counts[normalized(s.signature)] += 1
+    for g, n in view.tally().items():
+        if g.role == TEXT and g.signature:
+            counts[normalized(g.signature)] += n
     if len(counts) < 2:
         return
     major, n = counts.most_common(1)[0]

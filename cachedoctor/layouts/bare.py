@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts import aitoolkit, kohya, onetrainer
-from cachedoctor.layouts.base import CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
+from cachedoctor.layouts.base import NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
 from cachedoctor.layouts.common import listdir
 
 SHA256_PT = re.compile(r"^[0-9a-f]{64}\.pt$")
@@ -77,6 +77,7 @@ class _Directory(DirectoryNaming):
         super().__init__(bucket)
         base = os.path.basename(path)
         self.kind = None
+        self.folder = CacheFacts(bucket=bucket)  # made once: most files get exactly this
         if base == aitoolkit.LATENT_DIR:
             self.kind = "ai-toolkit"
         elif onetrainer.VARIATION.match(base):
@@ -89,9 +90,11 @@ class _Directory(DirectoryNaming):
             return aitoolkit.header_facts(meta)._replace(key=None)
         if self.kind == "onetrainer":
             return self.onetrainer.cache(name, meta)._replace(key=None)
-        if name.endswith(".npz") and (kohya.LATENT_NAME.match(name) or self.bucket is None):
+        if self.bucket is None:
+            return NO_FACTS
+        if name.endswith(".npz"):
             match = kohya.LATENT_NAME.match(name)
-            return CacheFacts(family=match["arch"] if match else None)
-        if SHA256_PT.match(name):
-            return CacheFacts()
-        return CacheFacts(bucket=self.bucket)
+            return CacheFacts(family=match["arch"]) if match else self.folder
+        if len(name) == 67 and SHA256_PT.match(name):
+            return NO_FACTS
+        return self.folder
