@@ -1,8 +1,8 @@
 """How fast `cachedoctor scan` reads a cache, against two baselines measured in the same run.
 
 Builds N latent files (default 20,000: 90% [4,64,64] fp16, 10% [4,128,128] fp16, up to 1,000
-per folder, each shape in folders of its own, so that the cache is clean for the bucket rules), warms the page cache, then times with 1 process
-and with every core:
+per folder, each shape in folders of its own so that the cache is clean for the bucket rules),
+warms the page cache, then times with 1 process and with every core:
   - `cachedoctor scan` (the real CLI in a subprocess, start-up included),
   - a loop of torch.load(map_location="cpu", weights_only=True) over the same files,
   - a loop that only opens each file and reads its last 64 KiB (the I/O floor).

@@ -93,7 +93,7 @@ def load(config: ConfigFile) -> Layout:
                 continue
             folder = typed(config, problems, at, dataset, "folder_path", str, None)
             if folder is None:
-                if dataset.get("dataset_path") is None:
+                if dataset.get("folder_path") is None and dataset.get("dataset_path") is None:
                     problems.invalid(config.origin(*at), f"config.process[{p}].datasets[{d}] has "
                                      "no folder_path: expected the path of its image folder",
                                      key="folder_path")

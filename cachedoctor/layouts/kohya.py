@@ -56,9 +56,14 @@ def claims(config: ConfigFile) -> bool:
     data = config.data
     if config.kind != "toml" or not isinstance(data, dict):
         return False
-    if isinstance(data.get("datasets"), list):
+    return is_dataset_config(data) or bool(CONFIG_FILE_KEYS & flatten(data).keys())
+
+
+def is_dataset_config(data: dict) -> bool:
+    """A dataset TOML (`--dataset_config`) rather than a `--config_file` TOML."""
+    if "datasets" in data:
         return True
-    return bool(CONFIG_FILE_KEYS & flatten(data).keys())
+    return isinstance(data.get("general"), dict) and "dataset_config" not in flatten(data)
 
 
 def discover(folder: str) -> list[str]:
@@ -88,7 +93,7 @@ def _flat_origins(config: ConfigFile) -> dict:
 
 def owner(config: ConfigFile) -> str | None:
     """For a dataset TOML: a `--config_file` TOML beside it whose dataset_config names it."""
-    if not isinstance(config.data.get("datasets"), list):
+    if not is_dataset_config(config.data):
         return None
     folder = os.path.dirname(config.path)
     target = os.path.realpath(config.path)
@@ -111,7 +116,7 @@ def _reason(root: str) -> str:
 
 
 def load(config: ConfigFile) -> Layout:
-    if isinstance(config.data.get("datasets"), list):
+    if is_dataset_config(config.data):
         main = owner(config)
         if main is not None:
             return load(load_config(main, "toml"))
@@ -191,7 +196,12 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
     data = dataset_file.data
     general = data.get("general", {}) if isinstance(data.get("general"), dict) else {}
     general_origins = {k: dataset_file.origin("general", k) for k in general}
-    for i, dataset in enumerate(data.get("datasets", [])):
+    datasets = data.get("datasets", [])
+    if not isinstance(datasets, list):
+        problems.invalid(dataset_file.origin("datasets"), f"datasets is {type_name(datasets)}: "
+                         "expected [[datasets]] tables", key="datasets")
+        return out
+    for i, dataset in enumerate(datasets):
         if not isinstance(dataset, dict):
             problems.invalid(dataset_file.origin("datasets", i), f"datasets[{i}] is "
                              f"{type_name(dataset)}: expected a table")

@@ -179,3 +179,33 @@ def test_folder_without_configs_is_a_bare_cache(tmp_path: Path) -> None:
     (tmp_path / "cache" / "notes.json").write_text('{"not": "a trainer config"}')
     (layout,) = resolve([str(tmp_path / "cache")])
     assert layout.trainer == "bare"
+
+
+@pytest.mark.parametrize(("trainer", "file", "old", "new", "key"), [
+    ("kohya", "dataset.toml", "enable_bucket = true", 'enable_bucket = "yes"', "enable_bucket"),
+    ("onetrainer", "training_presets/my_lora.json", '"train_device": "cuda"',
+     '"train_device": 0', "train_device"),
+    ("onetrainer", "training_concepts/concepts.json", '"include_subdirectories": false',
+     '"include_subdirectories": []', "include_subdirectories"),
+    ("ai-toolkit", "config/person_lora.yaml", 'folder_path: "datasets/person"',
+     "folder_path: [1, 2]", "folder_path"),
+])
+def test_keys_of_the_wrong_type_are_cd409(trainer: str, file: str, old: str, new: str, key: str,
+                                         tmp_path: Path) -> None:
+    module = {"kohya": kohya, "onetrainer": onetrainer, "ai-toolkit": aitoolkit}[trainer]
+    project = module.build(tmp_path / "p")
+    path = project.root / file
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+    found = by_code(scan_paths(project.config), "CD409")
+    assert [(f.path, f.details["key"].split(".")[-1]) for f in found] == [(str(path), key)]
+    assert f"{key} is " in found[0].message and "expected" in found[0].message
+
+
+def test_kohya_datasets_that_are_no_tables_are_cd409(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k")
+    path = project.root / "dataset.toml"
+    path.write_text("datasets = 3\n[general]\nenable_bucket = true\n")
+    (finding,) = scan_paths(path).findings
+    assert (finding.code, finding.details["key"], finding.details["line"]) == ("CD409",
+                                                                               "datasets", 1)
