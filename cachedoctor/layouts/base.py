@@ -15,9 +15,8 @@ CD409 report as findings pointing at the file and line; the rest of the config i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta
@@ -27,8 +26,33 @@ class TargetError(Exception):
     """A target cannot be scanned at all (missing, unreadable or unparsable config): exit 2."""
 
 
-def frozen(mapping: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
-    return MappingProxyType(dict(mapping or {}))
+class FrozenMap(Mapping[Any, Any]):
+    """A read-only mapping that pickles (MappingProxyType does not): layouts cross into worker
+    processes, pickled where the platform has no fork."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[Any, Any] | None = None) -> None:
+        self._data = dict(data or {})
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+    def __reduce__(self):
+        return (FrozenMap, (self._data,))
+
+
+def frozen(mapping: Mapping[Any, Any] | None = None) -> Mapping[Any, Any]:
+    return FrozenMap(mapping)
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,7 @@ class DirectoryNaming:
         return CacheFacts(bucket=self.bucket)
 
 
+@dataclass(frozen=True)
 class Naming:
     """How a trainer names its cache files. The base class: no images, folder buckets.
 

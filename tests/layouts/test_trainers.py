@@ -209,3 +209,13 @@ def test_kohya_datasets_that_are_no_tables_are_cd409(tmp_path: Path) -> None:
     (finding,) = scan_paths(path).findings
     assert (finding.code, finding.details["key"], finding.details["line"]) == ("CD409",
                                                                                "datasets", 1)
+
+
+@pytest.mark.parametrize("trainer", ["simpletuner", "onetrainer", "kohya", "ai-toolkit"])
+def test_layouts_pickle_for_spawned_workers(trainer: str, tmp_path: Path) -> None:
+    import pickle
+
+    module = {"simpletuner": simpletuner, "onetrainer": onetrainer, "kohya": kohya,
+              "ai-toolkit": aitoolkit}[trainer]
+    layouts = resolve([str(module.build(tmp_path / "p", defects=["CD404"]).config)])
+    assert pickle.loads(pickle.dumps(layouts)) == layouts
