@@ -61,16 +61,18 @@ def config_layout(path: str) -> Layout | None:
 def project(folder: str) -> list[Layout]:
     """The Layouts of the trainer configs a project folder holds, by each trainer's conventions."""
     layouts = []
-    seen: set[str] = set()
+    parsed: dict[str, sources.ConfigFile] = {}  # each file parsed once, whoever lists it
+    claimed: set[str] = set()
     for module in LAYOUTS.values():
         for path in module.discover(folder):
             real = os.path.realpath(path)
-            if real in seen or not os.path.isfile(path):
+            if real in claimed or not os.path.isfile(path):
                 continue
-            seen.add(real)
-            config = sources.load(path)
-            if module.claims(config):
-                layouts.append(module.load(config))
+            if real not in parsed:
+                parsed[real] = sources.load(path)
+            if module.claims(parsed[real]):
+                claimed.add(real)
+                layouts.append(module.load(parsed[real]))
     return layouts
 
 

@@ -101,6 +101,7 @@ def load(config: ConfigFile) -> Layout:
     latent_caching = bool(get("latent_caching", bool, True))
     clear = bool(get("clear_cache_before_training", bool, True))
     train_device = str(get("train_device", str, "cuda"))
+    temp_device = str(get("temp_device", str, "cpu"))
     multi_gpu = bool(get("multi_gpu", bool, False))
     indexes = str(get("device_indexes", str, ""))
     processes = (len([i for i in indexes.split(",") if i.strip()]) or 2) if multi_gpu else 1
@@ -157,7 +158,8 @@ def load(config: ConfigFile) -> Layout:
         cache_rebuilt_at_start=clear and latent_caching,
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
-                        "train_device": train_device, "cache_shared_with": shared,
+                        "train_device": train_device, "temp_device": temp_device,
+                        "cache_shared_with": shared,
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching),
