@@ -2,10 +2,10 @@
 
 Each trainer is a small module registered in LAYOUTS (pre-commit's plugin shape): `claims(config)`
 says whether a parsed config file is that trainer's (by name and content), `discover(folder)`
-lists the config files a project folder holds by that trainer's conventions, `owner(config)`
-names the config that includes this one (a SimpleTuner main config for its
-multidatabackend.json, a kohya `--config_file` for its dataset TOML) so that scanning either
-gives the same layout, and `load(config)` builds the Layout.
+lists the config files a project folder holds by that trainer's conventions, and `load(config)`
+builds the Layout. Given a config that another one includes (a SimpleTuner
+multidatabackend.json, a kohya dataset TOML), `load` starts from the including config found
+beside it, so that scanning either gives the same layout.
 
 A target is a cache dir or file (a bare layout), a trainer config file, or a project folder (the
 configs found in it; a folder with none is a bare cache dir). A config file that does not parse

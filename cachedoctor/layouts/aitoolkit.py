@@ -30,7 +30,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, parent_named, typed, unique
+from cachedoctor.layouts.common import Problems, listdir, typed, unique, working_dir
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 
@@ -60,22 +60,13 @@ def discover(folder: str) -> list[str]:
     return found
 
 
-def owner(config: ConfigFile) -> str | None:
-    return None
-
-
-def working_dir(path: str) -> str:
-    config_dir = parent_named(path, "config")
-    return os.path.dirname(config_dir) if config_dir else os.path.dirname(os.path.abspath(path))
-
-
 def _reason(root: str) -> str:
     return f"{root}, ai-toolkit's working dir (the folder that holds config/)"
 
 
 def load(config: ConfigFile) -> Layout:
     problems = Problems()
-    root = working_dir(config.path)
+    root = working_dir(config.path, "config")
     found = []
     for p, process in enumerate(config.data["config"]["process"]):
         where = ("config", "process", p)
@@ -127,7 +118,6 @@ class AIToolkitNaming(Naming):
     root: str  # the dataset's folder_path; None-like "" for a bare cache
     expects_cache: bool = True
 
-    describe = "buckets from the crop size in each file's header metadata"
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)

@@ -120,7 +120,6 @@ class Naming:
     """
 
     stem_collisions = False  # two images differing only by extension map to one cache entry
-    describe = "each sub-folder of the cache is one bucket"
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return DirectoryNaming(bucket)
@@ -156,7 +155,7 @@ class Dataset:
     options: Mapping[str, Any] = field(default_factory=frozen)  # trainer cache options
     origins: Mapping[str, Origin] = field(default_factory=frozen)  # fact or option -> origin
     naming: Naming = FOLDERS
-    listed_images: tuple[str, ...] = ()  # images the trainer's own metadata lists (absolute)
+    listed_images: frozenset[str] = frozenset()  # images the trainer's metadata lists (absolute)
     listing: Origin | None = None  # the metadata file that lists them
 
     def origin(self, fact: str) -> Origin | None:

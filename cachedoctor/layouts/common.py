@@ -57,6 +57,14 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def working_dir(path: str, marker: str) -> str:
+    """The directory a trainer runs in, judged from where its config lives: the parent of the
+    nearest ancestor folder called `marker` (SimpleTuner's and ai-toolkit's `config/`,
+    OneTrainer's `training_presets/`), else the config's own folder."""
+    found = parent_named(path, marker)
+    return os.path.dirname(found) if found else os.path.dirname(os.path.abspath(path))
+
+
 def parent_named(path: str, name: str) -> str | None:
     """The nearest ancestor directory of `path` called `name`, if any."""
     directory = os.path.dirname(os.path.abspath(path))

@@ -366,7 +366,6 @@ class KohyaNaming(Naming):
     expects_cache: bool = True
 
     stem_collisions = True
-    describe = "buckets from the image size in the npz name and the dataset's bucket settings"
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)

@@ -39,7 +39,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, parent_named, typed
+from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
 from cachedoctor.layouts.paths import canonical, resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
@@ -53,6 +53,7 @@ VARIATION = re.compile(r"^variation-\d+$")
 IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".jxl", ".avif")
 NOT_SAMPLES = ("-masklabel", "-condlabel")
 VAE_FACTOR = 8
+PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
 SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
 
 
@@ -67,19 +68,10 @@ def discover(folder: str) -> list[str]:
     """Config JSONs at the top of the folder and the user's saved ones in training_presets/
     (OneTrainer's own presets start with '#')."""
     found = [os.path.join(folder, n) for n in listdir(folder) if n.endswith(".json")]
-    presets = os.path.join(folder, "training_presets")
+    presets = os.path.join(folder, PRESETS)
     found += [os.path.join(presets, n) for n in listdir(presets)
               if n.endswith(".json") and not n.startswith("#")]
     return found
-
-
-def owner(config: ConfigFile) -> str | None:
-    return None
-
-
-def working_dir(path: str) -> str:
-    presets = parent_named(path, "training_presets")
-    return os.path.dirname(presets) if presets else os.path.dirname(os.path.abspath(path))
 
 
 def _reason(root: str) -> str:
@@ -89,7 +81,7 @@ def _reason(root: str) -> str:
 def load(config: ConfigFile) -> Layout:
     problems = Problems()
     data = config.data
-    root = working_dir(config.path)
+    root = working_dir(config.path, PRESETS)
     ident = os.path.splitext(os.path.basename(config.path))[0]
     files = [config.path]
 
@@ -207,7 +199,7 @@ def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
         if not claims(config):
             continue
         value = config.data.get("cache_dir", "workspace-cache/run")
-        if isinstance(value, str) and canonical(resolve(working_dir(other), value)) == mine:
+        if isinstance(value, str) and canonical(resolve(working_dir(other, PRESETS), value)) == mine:
             found.append(other)
     return tuple(found)
 
@@ -259,7 +251,6 @@ class OneTrainerNaming(Naming):
     aggregates: Mapping[str, Entries]  # variation dir -> entries by sample index
     expects_cache: bool = True
 
-    describe = "buckets from crop_resolution in aggregate.pt"
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, area)

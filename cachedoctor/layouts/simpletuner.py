@@ -54,7 +54,7 @@ from cachedoctor.layouts.base import (
     Origin,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, parent_named, typed
+from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
@@ -140,8 +140,7 @@ def owner(config: ConfigFile) -> str | None:
 
 
 def project_root(path: str) -> str:
-    config_dir = parent_named(path, "config")
-    return os.path.dirname(config_dir) if config_dir else os.path.dirname(os.path.abspath(path))
+    return working_dir(path, "config")
 
 
 # -- the main config -----------------------------------------------------------------------------
@@ -454,7 +453,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         ident, cache_dirs=(cache_dir,), image_dirs=(image_dir,), latent_cache_dir=cache_dir,
         text_cache_dir=text_dir, vae_factor=VAE_FACTOR, model_family=g.model_family,
         processes=g.processes, options=frozen(options), origins=frozen(origins), naming=naming,
-        listed_images=tuple(sorted(buckets.listed or ())), listing=buckets.origin,
+        listed_images=buckets.listed or frozenset(), listing=buckets.origin,
     )
 
 
@@ -554,7 +553,6 @@ class SimpleTunerNaming(Naming):
     expects_cache: bool
 
     stem_collisions = True
-    describe = "buckets from aspect_ratio_bucket_indices/metadata JSON"
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
