@@ -138,3 +138,26 @@ def test_bucket_file_that_is_not_json_is_cd409(tmp_path: Path) -> None:
     indices.write_text("{broken")
     (finding,) = by_code(scan_paths(project.config), "CD409")
     assert finding.path == str(indices) and "not valid JSON" in finding.message
+
+
+def test_overlaps_are_seen_through_symlinks_dotdot_and_case(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "data" / "Photos").mkdir(parents=True)
+    (tmp_path / "data" / "art").mkdir()
+    os.symlink(tmp_path / "cache" / "shared", tmp_path / "alias")
+    (tmp_path / "cache" / "shared").mkdir(parents=True)
+    config = write(tmp_path, [
+        {"id": "photos", "type": "local", "instance_data_dir": "data/Photos",
+         "cache_dir_vae": "data/photos/cache/"},  # other case, trailing slash
+        {"id": "art", "type": "local", "instance_data_dir": "data/art",
+         "cache_dir_vae": "cache/shared"},
+        {"id": "more", "type": "local", "instance_data_dir": "data/art/../art",
+         "cache_dir_vae": "alias"},  # the same dir as art's, through a symlink
+    ], MAIN)
+    monkeypatch.setenv("CACHEDOCTOR_CASE_INSENSITIVE", "1")
+    report = scan_paths(config)
+    assert [(f.dataset, f.details["relation"]) for f in by_code(report, "CD401")] == [
+        ("photos", "inside")]
+    assert [(f.dataset, f.details["relation"]) for f in by_code(report, "CD402")] == [
+        ("more", "same")]
+    monkeypatch.setenv("CACHEDOCTOR_CASE_INSENSITIVE", "0")
+    assert by_code(scan_paths(config), "CD401") == []
