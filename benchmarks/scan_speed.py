@@ -1,7 +1,8 @@
 """How fast `cachedoctor scan` reads a cache, against two baselines measured in the same run.
 
-Builds N latent files (default 20,000: 90% [4,64,64] fp16, 10% [16,128,128] fp16, 1,000 per
-folder), warms the page cache, then times with 1 process and with every core:
+Builds N latent files (default 20,000: 90% [4,64,64] fp16, 10% [4,128,128] fp16, up to 1,000
+per folder, each shape in folders of its own so that the cache is clean for the bucket rules),
+warms the page cache, then times with 1 process and with every core:
   - `cachedoctor scan` (the real CLI in a subprocess, start-up included),
   - a loop of torch.load(map_location="cpu", weights_only=True) over the same files,
   - a loop that only opens each file and reads its last 64 KiB (the I/O floor).
@@ -37,10 +38,10 @@ def build(root: str, n: int, layout: str) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     paths = []
     for i in range(n):
-        folder = os.path.join(root, f"part{i // PER_DIR:03d}")
-        if i % PER_DIR == 0:
-            os.makedirs(folder, exist_ok=True)
-        shape = (16, 128, 128) if i % 10 == 9 else (4, 64, 64)
+        shape = (4, 128, 128) if i % 10 == 9 else (4, 64, 64)
+        # each shape in folders of its own: a bare cache's sub-folder is one bucket (CD301)
+        folder = os.path.join(root, f"part{i // PER_DIR:03d}" + ("-1024px" if i % 10 == 9 else ""))
+        os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{i:08d}.pt")
         if not os.path.exists(path):
             latent = torch.randn(shape, generator=gen).half()

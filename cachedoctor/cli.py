@@ -422,22 +422,27 @@ DEMO_MARKER = Path(".cachedoctor") / "demo"
 
 
 @app.command()
-def demo(directory: Annotated[Path, typer.Argument(help="Where to write the demo cache.")]) -> None:
-    """Write a small cache with one of every defect, to try `cachedoctor scan` on."""
+def demo(directory: Annotated[Path, typer.Argument(help="Where to write the demo.")]) -> None:
+    """Write a small cache and a SimpleTuner project holding one of every defect, to try
+    `cachedoctor scan` on."""
     if directory.exists() and any(directory.iterdir()):
         if not (directory / DEMO_MARKER).exists():
-            raise fail(f"{directory} is not empty; give a new directory for the demo cache")
+            raise fail(f"{directory} is not empty; give a new directory for the demo")
         import shutil
 
-        shutil.rmtree(directory)  # a demo cache we wrote before: safe to write afresh
-    from cachedoctor.fixtures.demo import write_demo
+        shutil.rmtree(directory)  # a demo we wrote before: safe to write afresh
+    from cachedoctor.fixtures.demo import write_demo, write_demo_project
 
-    written = write_demo(directory)
+    cache, project = directory / "cache", directory / "simpletuner"
+    written = write_demo(cache)
+    written_project = write_demo_project(project)
     (directory / DEMO_MARKER).parent.mkdir(exist_ok=True)
     (directory / DEMO_MARKER).write_text("written by `cachedoctor demo`; safe to delete\n")
     count = sum(len(paths) for paths in written.values())
-    typer.echo(f"Wrote a demo cache with {count} broken files ({', '.join(sorted(written))}) "
-               f"to {directory}.\nTry: cachedoctor scan {directory}")
+    typer.echo(f"Wrote a demo cache with {count} broken files ({', '.join(sorted(written))}) to "
+               f"{cache}\nand a SimpleTuner project with the dataset and config defects "
+               f"({', '.join(sorted(written_project))}) to {project}.\n"
+               f"Try: cachedoctor scan {cache} {project}")
 
 
 app.add_typer(harness_app, name="harness", help="Reproduce the field incidents on real ranks and verify their fixes.")

@@ -1,8 +1,12 @@
 """Run a scan: walk the layouts, read files in a process pool, run the rules, build a Report.
 
-Files stream through the pool in chunks; a worker returns only findings, counts and compact
-summaries, so memory does not grow with the number of clean files (summaries spill to disk,
-see summary.py). Dataset rules run once the files are read.
+Files stream through the pool in chunks; a worker returns only findings, counts, compact
+summaries and coverage rows, so memory does not grow with the number of clean files
+(summaries and coverage spill to disk, see summary.py). Every dataset's cache dirs are walked
+as area "cache" and its image dirs as area "images" (images are only stat'ed, for coverage);
+a dataset's Naming (from its layout) gives each file its coverage key, bucket and expected
+latent size in the worker. Layout rules run once over the configs, dataset rules once the
+files are read.
 """
 
 from __future__ import annotations
@@ -12,19 +16,28 @@ import gc
 import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from cachedoctor.checks import RULES
 from cachedoctor.findings import Finding, Report
 from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
-from cachedoctor.formats.meta import IMAGE, FileMeta
+from cachedoctor.formats.meta import EMPTY, IMAGE, UNKNOWN, FileMeta
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
-from cachedoctor.inventory import Batch, Entry, batches
-from cachedoctor.layouts import Layout, resolve
+from cachedoctor.inventory import LATENT, TEXT, Batch, Entry, batches
+from cachedoctor.layouts import Dataset, Layout, resolve
+from cachedoctor.layouts.base import FOLDERS
 from cachedoctor.options import ScanOptions
 from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import SummaryStore, encode, summarize
+from cachedoctor.summary import (
+    CACHE_SIDE,
+    IMAGE_SIDE,
+    LISTED_SIDE,
+    CoverageRow,
+    SummaryStore,
+    encode,
+    summarize,
+)
 
 BATCH = 256  # files per task sent to a worker
 IN_PROCESS_BATCHES = 3  # fewer batches than this are read without starting a pool
@@ -37,6 +50,7 @@ class ChunkResult:
     findings: list[Finding]
     summaries: list[tuple[str, bytes]]
     paths: list[str]  # every file checked, when ScanOptions.keep_paths
+    coverage: list[CoverageRow]
 
 
 def selected_rules(options: ScanOptions) -> list[Rule]:
@@ -47,12 +61,15 @@ def read_entry(entry: Entry, deep: bool) -> FileMeta:
     """The FileMeta of one entry; never raises."""
     if entry.error:
         return FileMeta(entry.path, 0, UNREADABLE, errors=(entry.error,))
-    if entry.role == IMAGE_ROLE:  # images are never cache files: their stat is all we need
+    # Images are never cache files, and in an image dir only cache files are worth reading
+    # (captions, bucket JSONs and the like are the trainer's): their stat is all we need.
+    if entry.role == IMAGE_ROLE or (entry.area == "images" and entry.role not in (LATENT, TEXT)):
         try:
             st = os.stat(entry.path)
         except OSError as exc:
             return FileMeta(entry.path, 0, UNREADABLE, errors=(describe_os_error(exc),))
-        return FileMeta(entry.path, st.st_size, IMAGE, mtime=st.st_mtime)
+        fmt = IMAGE if entry.role == IMAGE_ROLE else (EMPTY if st.st_size == 0 else UNKNOWN)
+        return FileMeta(entry.path, st.st_size, fmt, mtime=st.st_mtime)
     try:
         return read_path(entry.path, deep=deep)
     except Exception as exc:  # a reader bug must cost one file, not the scan
@@ -60,7 +77,8 @@ def read_entry(entry: Entry, deep: bool) -> FileMeta:
                         errors=(f"internal error while reading: {type(exc).__name__}: {exc}",))
 
 
-def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> ChunkResult:
+def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
+                datasets: Mapping[str, Dataset] | None = None) -> ChunkResult:
     """Read and check the files of one batch (in a worker process, or in-process)."""
     # The cyclic GC would run dozens of times per batch over objects that form no cycles
     # (about 10% of the scan); it runs again after the batch, so cycles a hostile pickle
@@ -78,33 +96,52 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> Chunk
     findings: list[Finding] = []
     summaries = []
     paths: list[str] = []
+    coverage: list[CoverageRow] = []
     nbytes = files = 0
     checks = [r.check_file for r in rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
+    dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
+    naming = (dataset.naming if dataset else FOLDERS).directory(batch.directory, batch.bucket,
+                                                                batch.area)
+    key = batch.dataset or ""
+    cut = len(batch.directory) + 1
     for entry in batch.entries(options.exclude):
         files += 1
         if options.keep_paths:
             paths.append(entry.path)
         meta = read_entry(entry, deep)
         nbytes += meta.size
-        ctx = RuleContext(deep, entry.dataset, settings, entry)
+        ctx = RuleContext(deep, entry.dataset, settings, entry, dataset)
         for check in checks:
             found = check(meta, ctx)
             if found is not None:
                 findings.append(found)
-        summary = summarize(entry, meta)
+        facts = None
+        if entry.error is None:
+            if entry.role == IMAGE_ROLE:
+                image = naming.image(entry.path[cut:])
+                if image is not None:
+                    coverage.append((key, IMAGE_SIDE, image[0], entry.path, meta.mtime,
+                                     int(image[1]), None))
+            elif entry.role == LATENT:
+                facts = naming.cache(entry.path[cut:], meta)
+                if facts.key is not None:
+                    coverage.append((key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0,
+                                     facts.naming))
+        summary = summarize(entry, meta, facts)
         if summary is not None:
             summaries.append(encode(summary))
-    return ChunkResult(files, nbytes, findings, summaries, paths)
+    return ChunkResult(files, nbytes, findings, summaries, paths, coverage)
 
 
-# The pool's workers get the options and rules once, at start-up, not with every batch.
-_worker_state: tuple[ScanOptions, list[Rule]] | None = None
+# The pool's workers get the options, rules and datasets once, at start-up, not with every
+# batch (with fork they are inherited, not even pickled).
+_worker_state: tuple[ScanOptions, list[Rule], Mapping[str, Dataset]] | None = None
 
 
-def _init_worker(options: ScanOptions) -> None:
+def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset]) -> None:
     global _worker_state
-    _worker_state = (options, selected_rules(options))
+    _worker_state = (options, selected_rules(options), datasets)
 
 
 def _check_in_worker(batch: Batch) -> ChunkResult:
@@ -112,32 +149,72 @@ def _check_in_worker(batch: Batch) -> ChunkResult:
     return check_batch(batch, *_worker_state)
 
 
-def plan(layouts: Iterable[Layout], options: ScanOptions) -> Iterator[Batch]:
-    """Every file of every dataset, in batches; a directory inside one already walked is
-    walked once."""
-    walked: list[str] = []
+@dataclass
+class Root:
+    """A directory (or file) to walk, for one dataset."""
+
+    path: str
+    dataset: str
+    area: str  # "cache" or "images"
+    recursive: bool
+
+
+def walk_roots(layouts: Iterable[Layout]) -> list[Root]:
+    """Each distinct directory to walk. One directory named twice (a kohya image dir that is
+    also its cache, an image dir that is a cache dir) is walked once, for the first dataset,
+    as a cache dir if either names it so. A trainer's dir that does not exist is CD408's."""
+    roots: dict[str, Root] = {}
     for layout in layouts:
         for dataset in layout.datasets:
-            for root in dataset.cache_dirs:
-                real = os.path.realpath(root)
-                if any(real == w or real.startswith(w.rstrip(os.sep) + os.sep) for w in walked):
+            named = [(d, "cache", True) for d in dataset.cache_dirs]
+            named += [(d, "images", d not in dataset.shallow_image_dirs)
+                      for d in dataset.image_dirs]
+            for path, area, recursive in named:
+                if layout.trainer != "bare" and not os.path.exists(path):
                     continue
-                walked.append(real)
-                yield from batches(root, dataset=dataset.id, size=BATCH, shard=options.shard)
+                real = os.path.realpath(path)
+                found = roots.get(real)
+                if found is None:
+                    roots[real] = Root(path, dataset.id, area, recursive)
+                else:
+                    found.recursive |= recursive
+                    if area == "cache":
+                        found.area = "cache"
+    return list(roots.values())
 
 
-def check_files(batches_: Iterable[Batch], options: ScanOptions,
-                rules: list[Rule]) -> Iterator[ChunkResult]:
+def plan(layouts: Iterable[Layout], options: ScanOptions) -> Iterator[Batch]:
+    """Every file of every dataset, in batches. A root nested in another is walked on its own
+    (with its own dataset and area) and skipped by the outer walk."""
+    roots = walk_roots(layouts)
+    keys = {}
+    for root in roots:
+        try:
+            st = os.stat(root.path)
+        except OSError:
+            continue
+        keys[root.path] = (st.st_dev, st.st_ino)
+    everything = frozenset(keys.values())
+    for root in roots:
+        prune = everything - {keys.get(root.path)}
+        yield from batches(root.path, dataset=root.dataset, area=root.area, size=BATCH,
+                           shard=options.shard, recursive=root.recursive, prune=prune)
+
+
+def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rule],
+                datasets: Mapping[str, Dataset] | None = None) -> Iterator[ChunkResult]:
     """Results per batch, from a process pool when there is enough work to pay for one."""
+    datasets = datasets or {}
     batches_ = iter(batches_)
     first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
     if options.jobs <= 1 or len(first) < IN_PROCESS_BATCHES:
         for batch in itertools.chain(first, batches_):
-            yield check_batch(batch, options, rules)
+            yield check_batch(batch, options, rules, datasets)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with context.Pool(options.jobs, initializer=_init_worker, initargs=(options,)) as pool:
+    with context.Pool(options.jobs, initializer=_init_worker,
+                      initargs=(options, datasets)) as pool:
         yield from pool.imap_unordered(_check_in_worker, itertools.chain(first, batches_))
 
 
@@ -157,26 +234,49 @@ class FilePhase:
     paths: list[str] = dataclasses.field(default_factory=list)  # when options.keep_paths
 
 
+def datasets_of(layouts: Iterable[Layout]) -> dict[str, Dataset]:
+    return {d.id: d for layout in layouts for d in layout.datasets}
+
+
 def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rule],
                     on_progress: Callable[[int], None] | None = None) -> FilePhase:
     phase = FilePhase([], 0, 0, SummaryStore())
-    for result in check_files(plan(layouts, options), options, rules):
+    datasets = datasets_of(layouts)
+    for dataset in datasets.values():  # what the trainer's metadata lists, for CD405
+        phase.store.add_coverage([(dataset.id, LISTED_SIDE, None, path, 0.0, 0, None)
+                                  for path in dataset.listed_images])
+    for result in check_files(plan(layouts, options), options, rules, datasets):
         phase.files += result.files
         phase.bytes += result.bytes
         phase.findings.extend(result.findings)
         phase.paths.extend(result.paths)
         phase.store.add_blobs(result.summaries)
+        phase.store.add_coverage(result.coverage)
         if on_progress is not None:
             on_progress(result.files)
     return phase
 
 
-def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule]) -> list[Finding]:
-    """The dataset rules, over every summary in `store` (all ranks' when sharded)."""
+def check_layouts(layouts: list[Layout], options: ScanOptions, rules: list[Rule]) -> list[Finding]:
+    """The layout rules, once over every trainer config of the scan (main process)."""
+    ctx = RuleContext(options.deep, None, options.settings)
+    findings: list[Finding] = []
+    for rule in rules:
+        if rule.check_layouts is not None:
+            findings.extend(rule.check_layouts(layouts, ctx))
+    return findings
+
+
+def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule],
+                   datasets: Mapping[str, Dataset] | None = None) -> list[Finding]:
+    """The dataset rules, over every summary and coverage row in `store` (all ranks' when
+    sharded), with each dataset's layout facts."""
+    datasets = datasets or {}
     findings: list[Finding] = []
     for dataset in store.datasets():
         view = store.view(dataset)
-        ctx = RuleContext(options.deep, dataset or None, options.settings)
+        ctx = RuleContext(options.deep, dataset or None, options.settings, None,
+                          datasets.get(dataset))
         for rule in rules:
             if rule.check_dataset is not None:
                 findings.extend(rule.check_dataset(view, ctx))
@@ -207,9 +307,11 @@ def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
     rules = selected_rules(options)
     if on_start is not None:
         on_start(count_files(layouts, options))
+    findings = check_layouts(layouts, options, rules)
     phase = check_all_files(layouts, options, rules, on_progress)
     try:
-        findings = phase.findings + check_datasets(phase.store, options, rules)
+        findings += phase.findings + check_datasets(phase.store, options, rules,
+                                                    datasets_of(layouts))
     finally:
         phase.store.close()
     return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)

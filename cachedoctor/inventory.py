@@ -114,12 +114,15 @@ def walk(root: str, *, dataset: str | None = None, exclude: tuple[str, ...] = ()
 
 
 def batches(root: str, *, dataset: str | None = None, area: str = "cache", size: int = 256,
-            shard: tuple[int, int] | None = None) -> Iterator[Batch]:
+            shard: tuple[int, int] | None = None, recursive: bool = True,
+            prune: frozenset[tuple[int, int]] = frozenset()) -> Iterator[Batch]:
     """The files under `root` in batches of at most `size` names per directory.
 
     The walk lists directories only: d_type tells files from directories without a syscall,
     so only symlinks are stat'ed, and files are first touched by the worker that reads them.
     `shard=(rank, world)` keeps every world-th file in sorted order (the same on every rank).
+    `recursive=False` lists the files of `root` only; sub-directories whose (st_dev, st_ino)
+    is in `prune` are skipped (they are walked as roots of their own).
     """
     root = os.path.abspath(root)
     counter = itertools.count()
@@ -158,7 +161,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                 if shard is None or next(counter) % shard[1] == shard[0]:
                     names.append(child.name)
             elif is_dir:
-                if child.name == STATE_DIR:
+                if child.name == STATE_DIR or not recursive:
                     continue
                 try:
                     cst = child.stat()
@@ -166,6 +169,8 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     errors.append((child.path, describe_os_error(exc)))
                     continue
                 key = (cst.st_dev, cst.st_ino)
+                if key in prune:
+                    continue
                 if key in seen:
                     if child.is_symlink():
                         errors.append((child.path, "symlink loop: points back to a directory "

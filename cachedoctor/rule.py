@@ -2,14 +2,17 @@
 
 A rule module holds its explanation as the module docstring and one `RULE = Rule(...)`.
 A rule checks one file (`check_file(meta, ctx)`, run in the worker processes, returns its one
-finding or None: it runs for every file, so it must be cheap) and/or a whole dataset
+finding or None: it runs for every file, so it must be cheap), a whole dataset
 (`check_dataset(view, ctx)`, run once after the files are read, over compact per-file
-summaries, yields findings). Rules never open files: what they know comes from the readers.
+summaries and coverage rows, yields findings) and/or the trainer configs
+(`check_layouts(layouts, ctx)`, run once per scan in the main process over every Layout, so
+that facts spanning two configs are visible, yields findings). Rules never open files: what
+they know comes from the readers and the layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -19,6 +22,7 @@ from cachedoctor.findings import Finding, Severity
 if TYPE_CHECKING:
     from cachedoctor.formats.meta import FileMeta
     from cachedoctor.inventory import Entry
+    from cachedoctor.layouts.base import Dataset, Layout, Origin
     from cachedoctor.summary import DatasetView
 
 
@@ -30,6 +34,7 @@ class RuleContext(NamedTuple):
     dataset: str | None = None
     settings: Mapping[str, Mapping[str, Any]] = MappingProxyType({})  # overrides by rule code
     entry: Entry | None = None  # file rules: the file's role and area from the walk
+    facts: Dataset | None = None  # what the trainer config says about the dataset
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class Rule:
     deep: bool = False  # only runs under --deep (reads whole tensors)
     check_file: Callable[[FileMeta, RuleContext], Finding | None] | None = None
     check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
+    check_layouts: Callable[[Sequence[Layout], RuleContext], Iterable[Finding]] | None = None
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # defaults
 
     def setting(self, ctx: RuleContext, key: str) -> Any:
@@ -63,3 +69,14 @@ class Rule:
             details=details,
             fix=action,
         )
+
+    def config_finding(self, origin: Origin, message: str, dataset: str | None = None,
+                       change: str | None = None, **details: Any) -> Finding:
+        """A finding about a config: the path is the config file, `details` carry the key, the
+        line and the change that fixes it (`"vae_cache_clear_each_epoch": false`)."""
+        extra = {"key": origin.key, "line": origin.line}
+        if change is not None:
+            extra["change"] = change
+        return Finding(code=self.code, name=self.name, severity=self.severity, path=origin.file,
+                       message=message, dataset=dataset, details={**extra, **details},
+                       fix=None)

@@ -1,21 +1,33 @@
 """Compact per-file summaries for the dataset rules, kept on disk so memory stays flat.
 
 A worker turns each cache file's FileMeta into a FileSummary (the few facts a dataset rule
-compares: primary latent shape, dtypes, text-embedding signature, devices). The main process
-appends them to a SummaryStore (a temporary SQLite file that spills to disk) and each dataset
-rule streams its dataset's summaries back as often as it needs.
+compares: primary latent shape, dtypes, text-embedding signature, devices, and what the
+trainer's naming says: bucket, expected latent size, model family). The main process appends
+them to a SummaryStore (a temporary SQLite file that spills to disk) and each dataset rule
+streams its dataset's summaries back as often as it needs.
+
+The store also holds one coverage row per image and per latent cache entry (its coverage key:
+which image the entry belongs to), plus the images the trainer's metadata lists; the coverage
+rules (CD404-CD407) ask SQLite to join them, so no list of every file is kept in memory.
 """
 
 from __future__ import annotations
 
+import itertools
 import marshal
 import re
 import sqlite3
+from collections import Counter
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.inventory import LATENT, TEXT, Entry
+
+if TYPE_CHECKING:
+    from cachedoctor.layouts.base import CacheFacts
+
+IMAGE_SIDE, CACHE_SIDE, LISTED_SIDE = 0, 1, 2  # coverage rows: an image, a cache entry, a listing
 
 # Keys trainers give the latent inside a dict: SimpleTuner `latents`, ai-toolkit `latent`,
 # OneTrainer `latent_image`, kohya `latents` / `latents_<H>x<W>` (multi-resolution).
@@ -40,6 +52,8 @@ class FileSummary(NamedTuple):
     dtype: str | None  # the primary latent's dtype (or the first tensor's for text files)
     signature: tuple[tuple[str, int | None], ...]  # text embeds: (key, last dim) per tensor
     locations: tuple[str, ...]
+    expected: tuple[int, int] | None = None  # (h, w) the trainer's bucket needs
+    family: str | None = None  # model family / architecture the naming tells
 
 
 def primary_latent(meta: FileMeta) -> TensorMeta | None:
@@ -82,8 +96,10 @@ def content_role(entry_role: str, meta: FileMeta) -> str:
     return entry_role
 
 
-def summarize(entry: Entry, meta: FileMeta) -> FileSummary | None:
-    """The summary of a readable tensor file, or None for anything else."""
+def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None) -> FileSummary | None:
+    """The summary of a readable tensor file, or None for anything else. `facts` (from the
+    trainer's naming) give a latent's bucket and expected size; without them the walk's
+    folder bucket stands."""
     if not meta.ok or not meta.is_tensor_file or not meta.tensors:
         return None
     role = content_role(entry.role, meta)
@@ -99,9 +115,12 @@ def summarize(entry: Entry, meta: FileMeta) -> FileSummary | None:
     first = latent or meta.tensors[0]
     tensors = meta.tensors
     locations = (tensors[0].location,) if len(tensors) == 1 else meta.locations
-    return FileSummary(entry.path, entry.dataset, entry.bucket, role, meta.format, meta.size,
+    bucket, expected, family = entry.bucket, None, None
+    if facts is not None and role == LATENT:
+        bucket, expected, family = facts.bucket, facts.expected, facts.family
+    return FileSummary(entry.path, entry.dataset, bucket, role, meta.format, meta.size,
                        meta.mtime, latent.shape if latent else None, first.dtype, signature,
-                       locations)
+                       locations, expected, family)
 
 
 class SummaryStore:
@@ -112,18 +131,40 @@ class SummaryStore:
         self._db = sqlite3.connect("")
         self._db.execute("CREATE TABLE s (dataset TEXT, blob BLOB)")
         self._db.execute("CREATE INDEX s_dataset ON s (dataset)")
+        # side: IMAGE_SIDE, CACHE_SIDE or LISTED_SIDE; flag: an image the trainer expects a
+        # cache entry for; note: a cache entry's naming scheme ("unhashed", "legacy", ...)
+        self._db.execute("CREATE TABLE cov (dataset TEXT, side INTEGER, key TEXT, path TEXT, "
+                         "mtime REAL, flag INTEGER, note TEXT)")
+        self._indexed = False
 
     def add_blobs(self, rows: list[tuple[str, bytes]]) -> None:
         self._db.executemany("INSERT INTO s VALUES (?, ?)", rows)
+
+    def add_coverage(self, rows: list[CoverageRow]) -> None:
+        if rows:
+            self._db.executemany("INSERT INTO cov VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def coverage_rows(self) -> Iterator[CoverageRow]:
+        """Every coverage row, to ship to another process (sharded preflight)."""
+        yield from self._db.execute("SELECT * FROM cov ORDER BY rowid")
+
+    def _index(self) -> None:
+        # built once every row is in: cheaper than keeping an index up to date while inserting
+        if not self._indexed:
+            self._db.execute("CREATE INDEX cov_key ON cov (dataset, side, key)")
+            self._db.execute("CREATE INDEX cov_path ON cov (dataset, side, path)")
+            self._indexed = True
 
     def rows(self) -> Iterator[tuple[str, bytes]]:
         """Every (dataset, summary) row, to ship to another process (sharded preflight)."""
         yield from self._db.execute("SELECT dataset, blob FROM s ORDER BY rowid")
 
     def datasets(self) -> list[str]:
-        return [d for (d,) in self._db.execute("SELECT DISTINCT dataset FROM s ORDER BY dataset")]
+        return [d for (d,) in self._db.execute(
+            "SELECT dataset FROM s UNION SELECT dataset FROM cov ORDER BY 1")]
 
     def view(self, dataset: str) -> DatasetView:
+        self._index()
         return DatasetView(self._db, dataset)
 
     def close(self) -> None:
@@ -138,15 +179,88 @@ def encode(summary: FileSummary) -> tuple[str, bytes]:
     return summary.dataset or "", marshal.dumps(tuple(summary))
 
 
+class Group(NamedTuple):
+    """The facts of a summary that dataset rules compare (see DatasetView.tally)."""
+
+    role: str
+    family: str | None
+    bucket: str | None
+    shape: tuple[int, ...] | None
+    expected: tuple[int, int] | None
+    dtype: str | None
+    format: str
+    locations: tuple[str, ...]
+    signature: tuple[tuple[str, int | None], ...]
+
+
+# (dataset, side, key, path, mtime, flag, note)
+CoverageRow = tuple[str, int, "str | None", str, float, int, "str | None"]
+
+
 class DatasetView:
-    """A dataset's summaries; iterate it as often as needed (each pass streams from disk)."""
+    """A dataset's summaries; iterate it as often as needed (each pass streams from disk).
+    The coverage queries join images with cache entries by coverage key, in SQLite."""
 
     def __init__(self, db: sqlite3.Connection, dataset: str) -> None:
         self._db = db
         self.dataset = dataset
+        self._tally: Counter[Group] | None = None
+
+    def tally(self) -> Counter[Group]:
+        """How many summaries share each Group of facts, counted in one pass that every rule
+        shares: a rule looks for trouble here and reads the files one by one only when it
+        found some (memory: one entry per distinct group, not per file)."""
+        if self._tally is None:
+            self._tally = Counter(
+                Group(s.role, s.family, s.bucket, s.shape, s.expected, s.dtype, s.format,
+                      s.locations, s.signature) for s in self)
+        return self._tally
 
     def __iter__(self) -> Iterator[FileSummary]:
         cursor = self._db.execute("SELECT blob FROM s WHERE dataset = ? ORDER BY rowid",
                                   (self.dataset,))
         for (blob,) in cursor:
             yield FileSummary(*marshal.loads(blob))
+
+    def has_cache_entries(self) -> bool:
+        return self._db.execute("SELECT 1 FROM cov WHERE dataset = ? AND side = ? LIMIT 1",
+                                (self.dataset, CACHE_SIDE)).fetchone() is not None
+
+    def missing(self) -> Iterator[tuple[str, str]]:
+        """(image path, key) of images the trainer expects an entry for that have none."""
+        yield from self._db.execute(
+            "SELECT i.path, i.key FROM cov i WHERE i.dataset = ? AND i.side = ? AND i.flag = 1 "
+            "AND NOT EXISTS (SELECT 1 FROM cov c WHERE c.dataset = i.dataset AND c.side = ? "
+            "AND c.key = i.key) ORDER BY i.path", (self.dataset, IMAGE_SIDE, CACHE_SIDE))
+
+    def orphans(self) -> Iterator[tuple[str, str, str | None]]:
+        """(cache path, key, naming note) of cache entries no image maps to."""
+        yield from self._db.execute(
+            "SELECT c.path, c.key, c.note FROM cov c WHERE c.dataset = ? AND c.side = ? "
+            "AND NOT EXISTS (SELECT 1 FROM cov i WHERE i.dataset = c.dataset AND i.side = ? "
+            "AND i.key = c.key) ORDER BY c.path", (self.dataset, CACHE_SIDE, IMAGE_SIDE))
+
+    def stale(self, tolerance: float) -> Iterator[tuple[str, float, str, float]]:
+        """(cache path, its mtime, image path, its mtime) where the image is newer."""
+        yield from self._db.execute(
+            "SELECT c.path, c.mtime, i.path, i.mtime FROM cov c JOIN cov i ON i.dataset = "
+            "c.dataset AND i.side = ? AND i.key = c.key WHERE c.dataset = ? AND c.side = ? "
+            "AND i.mtime > c.mtime + ? ORDER BY c.path, i.path",
+            (IMAGE_SIDE, self.dataset, CACHE_SIDE, tolerance))
+
+    def collisions(self) -> Iterator[tuple[str, list[str]]]:
+        """(key, image paths) for every key that two or more images map to."""
+        rows = self._db.execute(
+            "SELECT key, path FROM cov WHERE dataset = ? AND side = ? AND key IN (SELECT key "
+            "FROM cov WHERE dataset = ? AND side = ? GROUP BY key HAVING count(*) > 1) "
+            "ORDER BY key, path", (self.dataset, IMAGE_SIDE, self.dataset, IMAGE_SIDE))
+        for key, group in itertools.groupby(rows, key=lambda row: row[0]):
+            yield key, [path for _, path in group]
+
+    def listed_but_gone(self) -> Iterator[str]:
+        """Images the trainer's metadata lists that the walk did not find."""
+        for (path,) in self._db.execute(
+                "SELECT l.path FROM cov l WHERE l.dataset = ? AND l.side = ? AND NOT EXISTS "
+                "(SELECT 1 FROM cov i WHERE i.dataset = l.dataset AND i.side = ? AND "
+                "i.path = l.path) ORDER BY l.path", (self.dataset, LISTED_SIDE, IMAGE_SIDE)):
+            yield path

@@ -23,3 +23,8 @@ def age(seconds: float) -> str:
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """count(1, 'file') -> '1 file'; count(3, 'file') -> '3 files'."""
     return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"
+
+
+def shape_text(shape: tuple[int, ...] | None) -> str:
+    """(4, 64, 64) -> '[4, 64, 64]'."""
+    return "[?]" if shape is None else "[" + ", ".join(map(str, shape)) + "]"

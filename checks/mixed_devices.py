@@ -1,7 +1,8 @@
 """## What it does
 Reports tensors stored on different devices within one file (`{"latent_image": <cpu>,
-"latent_mask": <cuda:0>}`), and cache directories whose files were saved from different devices
-(some on `cpu`, some on `cuda:0`, or on `cuda:0` and `cuda:1`).
+"latent_mask": <cuda:0>}`), and caches whose files were saved from different devices (some on
+`cpu`, some on `cuda:0`, or on `cuda:0` and `cuda:1`), across the whole cache of a dataset:
+every folder of it, latents and text embeddings alike.
 
 ## Why is this bad?
 Loaded without `map_location`, the tensors land on different devices, and the first operation
@@ -13,7 +14,7 @@ or a GPU and a CPU caching pass); which device a sample loads onto then depends 
 ## Example
 ```
 CD502 error cache/image/3a9f…/variation-0/7.pt  tensors on different devices: cpu (latent_image), cuda:0 (latent_mask)
-CD502 error cache/image/3a9f…/variation-0        files saved from different devices: cpu 28 files, cuda:0 12 files
+CD502 error workspace-cache/run/image             files saved from different devices: cpu: 28 files, cuda:0: 12 files
 ```
 
 ## Fix
@@ -24,7 +25,7 @@ bit-identical.
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
@@ -48,21 +49,24 @@ def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    per_dir: dict[str, Counter[str]] = defaultdict(Counter)
-    off_cpu: dict[str, list[str]] = defaultdict(list)
+    counts: Counter[str] = Counter()
+    for g, n in view.tally().items():
+        if len(g.locations) == 1:  # a file mixed within itself is reported by check_file
+            counts[g.locations[0]] += n
+    if len(counts) < 2:
+        return
+    off_cpu = []  # what the fix rewrites
+    folders = set()
     for s in view:
         if len(s.locations) != 1:
-            continue  # a file mixed within itself is reported by check_file
-        directory = os.path.dirname(s.path)
-        per_dir[directory][s.locations[0]] += 1
-        if s.locations != ("cpu",) and len(off_cpu[directory]) < MAX_LISTED:
-            off_cpu[directory].append(s.path)
-    for directory, counts in sorted(per_dir.items()):
-        if len(counts) < 2:
             continue
-        text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts.most_common())
-        yield RULE.finding(directory, f"files saved from different devices: {text}", ctx,
-                           locations=dict(counts), files=off_cpu[directory])
+        folders.add(os.path.dirname(s.path))
+        if s.locations[0] != "cpu" and len(off_cpu) < MAX_LISTED:
+            off_cpu.append(s.path)
+    common = os.path.commonpath(sorted(folders))
+    text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts.most_common())
+    yield RULE.finding(common, f"files saved from different devices: {text}", ctx,
+                       locations=dict(counts), files=off_cpu)
 
 
 RULE = Rule(

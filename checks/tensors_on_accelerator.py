@@ -10,6 +10,9 @@ On a multi-GPU host every rank loads the sample onto the saving rank's GPU, and 
 tensors with live ones fails with `Expected all tensors to be on the same device` (OneTrainer
 #459, where the cache is written from `train_device` without `.cpu()`).
 
+Not reported where the trainer itself loads the cache onto that device: OneTrainer saves from
+and loads to its `train_device` (`map_location=train_device`), so `cuda:0` is expected there.
+
 ## Example
 ```
 CD501 warning cache/image/3a9f…/variation-0/12.pt  tensors stored on cuda:0 (3 of 3 tensors)
@@ -28,8 +31,17 @@ from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
 
+def expected(location: str, device: str | None) -> bool:
+    """Whether a storage saved at `location` is where a trainer loading onto `device` wants it
+    ("cuda" matches "cuda:0"; no device means the CPU)."""
+    if device is None or location == "cpu":
+        return location == "cpu"
+    return location == device or (":" not in device and location.split(":")[0] == device)
+
+
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
-    off_cpu = [t for t in meta.tensors if t.location != "cpu"]
+    device = ctx.facts.expected_device if ctx.facts is not None else None
+    off_cpu = [t for t in meta.tensors if not expected(t.location, device)]
     if not off_cpu:
         return None
     locations = sorted({t.location for t in off_cpu})

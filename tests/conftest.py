@@ -46,6 +46,17 @@ def invoke(*args: str):
     return CliRunner().invoke(app, list(args), catch_exceptions=False)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    """Fixtures encode tiny tensors: torch's thread pool (sized for every core the machine
+    shows, not the ones a CI runner grants) costs far more than it saves there."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def cache(tmp_path: Path) -> Path:
     path = tmp_path / "cache"

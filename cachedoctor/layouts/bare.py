@@ -1,13 +1,100 @@
-"""A cache directory (or file) given with no trainer config: one dataset named for it."""
+"""A cache directory (or file) given with no trainer config: one dataset named for it.
+
+Roles come from the files. Buckets come from sub-folders (files directly in the directory are
+no bucket: a SimpleTuner VAE cache is flat with every aspect mixed), except where a file's name
+or place shows a trainer's own layout, whose bucket semantics then apply:
+- `_latent_cache/*.safetensors` (ai-toolkit): the crop size in the header metadata;
+- `<stem>_<W>x<H>_<arch>.npz` and legacy `<stem>.npz` (kohya): no bucket (the name gives the
+  image's size, the bucket needs the dataset's settings); a directory whose top holds such
+  files beside images is an image dir with kohya's caches, where images belong;
+- `variation-<n>/<i>.pt` (OneTrainer): `crop_resolution` from the folder's `aggregate.pt`, or
+  no bucket without one;
+- `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders).
+"""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from cachedoctor.layouts.base import Dataset, Layout
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts import aitoolkit, kohya, onetrainer
+from cachedoctor.layouts.base import NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
+from cachedoctor.layouts.common import listdir
+
+SHA256_PT = re.compile(r"^[0-9a-f]{64}\.pt$")
 
 
 def layout(path: str) -> Layout:
     path = os.path.abspath(path)
     name = os.path.basename(path.rstrip(os.sep)) or path
-    return Layout("bare", None, (Dataset(name, (path,)),))
+    if os.path.isdir(path) and _kohya_image_dir(path):
+        naming = kohya.KohyaNaming(root=path, buckets=None)
+        dataset = Dataset(name, image_dirs=(path,), latent_cache_dir=path, text_cache_dir=path,
+                          caches_beside_images=True, naming=naming)
+        return Layout("bare", None, (dataset,))
+    aggregates = _aggregates(path) if os.path.isdir(path) else {}
+    naming = BareNaming(frozen(aggregates))
+    return Layout("bare", None, (Dataset(name, (path,), naming=naming),))
+
+
+def _kohya_image_dir(path: str) -> bool:
+    names = listdir(path)
+    return any(kohya.LATENT_NAME.match(n) for n in names) and any(
+        n.endswith(kohya.IMAGE_EXTENSIONS) for n in names)
+
+
+def _aggregates(path: str) -> dict[str, onetrainer.Entries]:
+    """OneTrainer aggregates when `path` is a cache_dir, its image/ folder, a group folder or
+    a variation folder (fixed depths: no walk)."""
+    out: dict[str, onetrainer.Entries] = {}
+    root = os.path.dirname(path)
+    for pattern in ("image/*/variation-*/aggregate.pt", "*/variation-*/aggregate.pt",
+                    "variation-*/aggregate.pt", "aggregate.pt"):
+        for found in sorted(glob.glob(os.path.join(glob.escape(path), pattern))):
+            if onetrainer.VARIATION.match(os.path.basename(os.path.dirname(found))):
+                entries = onetrainer.aggregate_entries(found, root)
+                if entries is not None:
+                    out[os.path.dirname(found)] = entries
+        if out:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class BareNaming(Naming):
+    aggregates: Mapping[str, onetrainer.Entries]
+
+    def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
+        return _Directory(self, path, bucket)
+
+
+class _Directory(DirectoryNaming):
+    def __init__(self, naming: BareNaming, path: str, bucket: str | None) -> None:
+        super().__init__(bucket)
+        base = os.path.basename(path)
+        self.kind = None
+        self.folder = CacheFacts(bucket=bucket)  # made once: most files get exactly this
+        if base == aitoolkit.LATENT_DIR:
+            self.kind = "ai-toolkit"
+        elif onetrainer.VARIATION.match(base):
+            self.kind = "onetrainer"
+            self.onetrainer = onetrainer.OneTrainerNaming(naming.aggregates).directory(
+                path, bucket, "cache")
+
+    def cache(self, name: str, meta: FileMeta) -> CacheFacts:
+        if self.kind == "ai-toolkit" and name.endswith(".safetensors"):
+            return aitoolkit.header_facts(meta)._replace(key=None)
+        if self.kind == "onetrainer":
+            return self.onetrainer.cache(name, meta)._replace(key=None)
+        if self.bucket is None:
+            return NO_FACTS
+        if name.endswith(".npz"):
+            match = kohya.LATENT_NAME.match(name)
+            return CacheFacts(family=match["arch"]) if match else self.folder
+        if len(name) == 67 and SHA256_PT.match(name):
+            return NO_FACTS
+        return self.folder

@@ -1,18 +1,170 @@
-"""What a trainer's configuration tells us: datasets, and where their files live."""
+"""What a trainer's configuration tells us: datasets, where their files live, how each cache
+file maps to its image and bucket, and what was wrong with the configuration itself.
+
+Everything here is frozen data built once by a layout module (layouts/<trainer>.py) and then
+only read: by the engine (what to walk), by the worker processes (a dataset's Naming turns each
+file into its coverage key, bucket and expected latent size) and by the rules.
+
+Problems in a configuration are data too. A target that cannot be understood at all (a config
+that is not valid JSON, TOML or YAML, an unreadable file) is a TargetError: exit code 2 with one
+line naming the file, the place and what was expected. Everything else found while reading a
+config that parses (a key of the wrong type, a dataset without `instance_data_dir`, an unset
+`{env:VAR}`, a path that does not exist) is a ConfigProblem on the Layout, which rules CD408 and
+CD409 report as findings pointing at the file and line; the rest of the config is still used.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from cachedoctor.formats.meta import FileMeta
 
 
 class TargetError(Exception):
-    """A target cannot be scanned at all (missing, unreadable config): exit code 2."""
+    """A target cannot be scanned at all (missing, unreadable or unparsable config): exit 2."""
+
+
+class FrozenMap(Mapping[Any, Any]):
+    """A read-only mapping that pickles (MappingProxyType does not): layouts cross into worker
+    processes, pickled where the platform has no fork."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[Any, Any] | None = None) -> None:
+        self._data = dict(data or {})
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+    def __reduce__(self):
+        return (FrozenMap, (self._data,))
+
+
+def frozen(mapping: Mapping[Any, Any] | None = None) -> Mapping[Any, Any]:
+    return FrozenMap(mapping)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a fact came from: a config file, the key as the user wrote it, and its line."""
+
+    file: str
+    key: str  # "vae_cache_clear_each_epoch", "datasets[0].subsets[1].image_dir"
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+
+MISSING_PATH = "missing-path"  # CD408
+INVALID = "invalid"  # CD409
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """Something wrong in a config that parses; `message` says what was expected."""
+
+    origin: Origin
+    message: str
+    kind: str = INVALID  # INVALID (CD409) or MISSING_PATH (CD408)
+    dataset: str | None = None
+    details: Mapping[str, Any] = field(default_factory=frozen)
+
+
+class CacheFacts(NamedTuple):
+    """What a trainer's naming says about one cache file."""
+
+    key: str | None = None  # coverage key shared with the file's image; None: cannot tell
+    bucket: str | None = None  # the aspect bucket whose latents must all share one shape
+    expected: tuple[int, int] | None = None  # (h, w) the latent must have, in latent pixels
+    family: str | None = None  # model family / architecture, when files of several coexist
+    naming: str | None = None  # which naming scheme the file follows ("unhashed", "legacy")
+
+
+NO_FACTS = CacheFacts()
+
+
+class DirectoryNaming:
+    """A Naming bound to one directory (made once per batch of files, in the worker)."""
+
+    def __init__(self, bucket: str | None = None) -> None:
+        self.bucket = bucket
+
+    def image(self, name: str) -> tuple[str, bool] | None:
+        """(coverage key, whether the trainer expects a cache entry for it) for an image of
+        the dataset, or None when this file is no image of the dataset."""
+        return None
+
+    def cache(self, name: str, meta: FileMeta) -> CacheFacts:
+        """The facts of a latent cache file; by default its folder is its bucket."""
+        return CacheFacts(bucket=self.bucket)
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a trainer names its cache files. The base class: no images, folder buckets.
+
+    A trainer's subclass is a frozen dataclass holding what its mapping needs (dirs, bucket
+    metadata) and must stay picklable: the workers get it once, at start-up.
+    """
+
+    stem_collisions = False  # two images differing only by extension map to one cache entry
+
+    def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
+        return DirectoryNaming(bucket)
+
+    def expected_entry(self, image: str) -> str:
+        """How the cache entry of `image` is named, for messages."""
+        return "a cache entry"
+
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        """What is missing for `image`, for CD404's message."""
+        return f"expected {self.expected_entry(image)} in {cache_dir}"
+
+
+FOLDERS = Naming()
 
 
 @dataclass(frozen=True)
 class Dataset:
+    """One dataset of a trainer config (a bare cache dir is one dataset too)."""
+
     id: str
-    cache_dirs: tuple[str, ...]  # directories (or single files) whose files are checked
+    cache_dirs: tuple[str, ...] = ()  # walked as area "cache" (absolute)
+    image_dirs: tuple[str, ...] = ()  # walked as area "images"; images are only stat'ed
+    latent_cache_dir: str | None = None
+    text_cache_dir: str | None = None
+    caches_beside_images: bool = False  # kohya's npz, ai-toolkit's <img>/_latent_cache
+    shallow_image_dirs: tuple[str, ...] = ()  # image dirs whose sub-folders the trainer ignores
+    vae_factor: int = 8
+    model_family: str | None = None
+    processes: int = 1
+    expected_device: str | None = None  # where the trainer loads cached tensors; None = cpu
+    cache_rebuilt_at_start: bool = False  # coverage does not matter: the trainer starts afresh
+    options: Mapping[str, Any] = field(default_factory=frozen)  # trainer cache options
+    origins: Mapping[str, Origin] = field(default_factory=frozen)  # fact or option -> origin
+    naming: Naming = FOLDERS
+    listed_images: frozenset[str] = frozenset()  # images the trainer's metadata lists (absolute)
+    listing: Origin | None = None  # the metadata file that lists them
+
+    def origin(self, fact: str) -> Origin | None:
+        return self.origins.get(fact)
+
+    def image_origin(self, image_dir: str) -> Origin | None:
+        """Where `image_dir` was configured (datasets with several image dirs key them by
+        path: "image_dir:<path>")."""
+        return self.origins.get(f"image_dir:{image_dir}") or self.origins.get("image_dir")
 
 
 @dataclass(frozen=True)
@@ -20,3 +172,7 @@ class Layout:
     trainer: str  # "bare" when no trainer config was given
     source: str | None  # the config file the layout came from
     datasets: tuple[Dataset, ...]
+    problems: tuple[ConfigProblem, ...] = ()
+    files: tuple[str, ...] = ()  # every config file read (absolute)
+    base: str | None = None  # the directory relative paths were resolved against
+    base_reason: str = ""  # why that directory ("the trainer's working dir: the parent of config/")

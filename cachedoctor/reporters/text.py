@@ -28,10 +28,16 @@ def render(report: Report, out: TextIO, *, verbose: bool = False, color: bool = 
         out.write(hint + "\n")
 
 
+def where(finding: Finding, cwd: str | None = None) -> str:
+    """The finding's path as the user would type it; `file:line` for a config finding."""
+    at = finding.details.get("line")
+    return display_path(finding.path, cwd) + (f":{at}" if at else "")
+
+
 def line(f: Finding, cwd: str | None = None) -> str:
     """One finding as one greppable line: `path: CODE severity [dataset] message`."""
     dataset = f" [{printable(f.dataset)}]" if f.dataset else ""
-    return f"{display_path(f.path, cwd)}: {f.code} {f.severity}{dataset} {printable(f.message)}"
+    return f"{where(f, cwd)}: {f.code} {f.severity}{dataset} {printable(f.message)}"
 
 
 def brief(report: Report, limit: int = 10, cwd: str | None = None) -> str:
@@ -67,10 +73,10 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
         table.add_column(column, overflow="fold", no_wrap=column in ("rule", "sev"))
     for group in _groups(report, verbose):
         first = group[0]
-        where = display_path(first.path, cwd)
+        place = where(first, cwd)
         what = first.message
         if len(group) > 1:
-            where += f" (+{len(group) - 1})"
+            place += f" (+{len(group) - 1})"
             wasted = sum(int(f.details.get("wasted_bytes", 0)) for f in group)
             if wasted:
                 what += f"; {human_bytes(wasted)} wasted in {len(group):,} files"
@@ -80,7 +86,7 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
             printable(first.dataset or "-"),
             first.code,
             f"[{STYLE[first.severity]}]{first.severity}[/]",
-            printable(where),
+            printable(place),
             printable(what),
         )
     console.print(table)

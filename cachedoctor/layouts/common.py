@@ -1,0 +1,95 @@
+"""Helpers the layout modules share: typed reads of config keys that collect ConfigProblems,
+the working directory a trainer resolves relative paths against, unique dataset ids."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from cachedoctor.layouts.base import INVALID, MISSING_PATH, ConfigProblem, Origin, frozen
+from cachedoctor.layouts.sources import ConfigFile, type_name
+
+EXPECTED = {bool: "true or false", int: "a whole number", str: "a string", list: "a list",
+            dict: "a mapping"}
+
+
+class Problems:
+    """ConfigProblems collected while a layout reads its configs."""
+
+    def __init__(self) -> None:
+        self.items: list[ConfigProblem] = []
+
+    def invalid(self, origin: Origin, message: str, dataset: str | None = None,
+                **details: Any) -> None:
+        self.items.append(ConfigProblem(origin, message, INVALID, dataset, frozen(details)))
+
+    def missing(self, origin: Origin, what: str, value: str, path: str, base_reason: str,
+                dataset: str | None = None) -> None:
+        """A configured path that does not exist."""
+        shown = f'"{value}"' + (f" ({path})" if os.path.normpath(value) != path else "")
+        message = f"{what} {shown} does not exist"
+        if not os.path.isabs(os.path.expanduser(value)):
+            message += f"; relative paths resolve against {base_reason}"
+        self.items.append(ConfigProblem(origin, message, MISSING_PATH, dataset,
+                                        frozen({"value": value, "resolved": path})))
+
+
+def typed(config: ConfigFile, problems: Problems, where: tuple, obj: Mapping, key: str,
+          kind: type | tuple[type, ...], default: Any, dataset: str | None = None,
+          expected: str | None = None) -> Any:
+    """obj[key] when it has the expected type, else `default` (and a problem when present)."""
+    if not isinstance(obj, Mapping) or key not in obj or obj[key] is None:
+        return default
+    value = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        want = expected or " or ".join(EXPECTED.get(k, k.__name__) for k in kinds)
+        problems.invalid(config.origin(*where, key), f"{key} is {type_name(value)} "
+                         f"({_short(value)}): expected {want}", dataset, key=key, expected=want)
+        return default
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def working_dir(path: str, marker: str) -> str:
+    """The directory a trainer runs in, judged from where its config lives: the parent of the
+    nearest ancestor folder called `marker` (SimpleTuner's and ai-toolkit's `config/`,
+    OneTrainer's `training_presets/`), else the config's own folder."""
+    found = parent_named(path, marker)
+    return os.path.dirname(found) if found else os.path.dirname(os.path.abspath(path))
+
+
+def parent_named(path: str, name: str) -> str | None:
+    """The nearest ancestor directory of `path` called `name`, if any."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.basename(directory) == name:
+            return directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+
+
+def unique(ids: Iterable[str]) -> list[str]:
+    """The ids with repeats made unique: photos, photos (2), ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in ids:
+        count = seen.get(name, 0) + 1
+        seen[name] = count
+        out.append(name if count == 1 else f"{name} ({count})")
+    return out
+
+
+def listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []

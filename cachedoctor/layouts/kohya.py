@@ -1,0 +1,408 @@
+"""kohya sd-scripts: the dataset TOML (`[general]`, `[[datasets]]`, `[[datasets.subsets]]`) and
+the `--config_file` TOML, as kohya-ss/sd-scripts 48d368fa (2026-02-16) reads them
+(library/config_util.py, train_util.py `read_config_from_file`, `BucketManager`).
+
+Paths: sd-scripts opens relative paths from the directory it is started in; cachedoctor takes
+that to be the folder of the config file that was given (or found), since the TOMLs carry no
+hint of it. A `--config_file` TOML's sections are flattened into arguments; its
+`dataset_config` names the dataset TOML, else `train_data_dir` (and `reg_data_dir`) hold
+DreamBooth folders `<repeats>_<class tokens>`. Each subset's values fall back to its dataset's,
+then `[general]`, then the arguments, then kohya's defaults (enable_bucket false,
+min/max_bucket_reso 256/1024, bucket_reso_steps 64, bucket_no_upscale false).
+
+Caches sit beside the images by design (no CD401): `<stem>_<WWWW>x<HHHH>_<arch>.npz` where
+WWWW x HHHH is the original image size, float32 `latents` of the bucket size / 8 (/ 32 for
+HunyuanImage, `_hi`); the legacy `<stem>.npz` wins when present. Text encoder outputs
+(`_te_outputs.npz`, `_<arch>_te.npz`) are embeddings. Each image dir is read without its
+sub-folders (`glob_images(image_dir, "*")`). A latent's bucket is the one kohya's
+BucketManager picks for the size in its file name under the dataset's bucket settings.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts.base import (
+    CacheFacts,
+    Dataset,
+    DirectoryNaming,
+    Layout,
+    Naming,
+    frozen,
+)
+from cachedoctor.layouts.common import Problems, listdir, unique
+from cachedoctor.layouts.paths import resolve
+from cachedoctor.layouts.sources import ConfigFile, type_name
+from cachedoctor.layouts.sources import load as load_config
+
+NAME = "kohya"
+TITLE = "kohya sd-scripts"
+LATENT_NAME = re.compile(
+    r"^(?P<stem>.+)_(?P<w>\d{4,})x(?P<h>\d{4,})_(?P<arch>sd|sdxl|flux|sd3|lumina|anima|hi)\.npz$")
+STRIDE = {"hi": 32}  # HunyuanImage; every other arch: 8
+# train_util.IMAGE_EXTENSIONS: matched case-sensitively by glob on Linux
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".avif",
+                    ".PNG", ".JPG", ".JPEG", ".WEBP", ".BMP", ".AVIF")
+CONFIG_FILE_KEYS = frozenset({"dataset_config", "train_data_dir"})
+BUCKET_DEFAULTS = {"enable_bucket": False, "min_bucket_reso": 256, "max_bucket_reso": 1024,
+                   "bucket_reso_steps": 64, "bucket_no_upscale": False}
+
+
+def claims(config: ConfigFile) -> bool:
+    data = config.data
+    if config.kind != "toml" or not isinstance(data, dict):
+        return False
+    return is_dataset_config(data) or bool(CONFIG_FILE_KEYS & flatten(data).keys())
+
+
+def is_dataset_config(data: dict) -> bool:
+    """A dataset TOML (`--dataset_config`) rather than a `--config_file` TOML."""
+    if "datasets" in data:
+        return True
+    return isinstance(data.get("general"), dict) and "dataset_config" not in flatten(data)
+
+
+def discover(folder: str) -> list[str]:
+    return [os.path.join(folder, n) for n in listdir(folder) if n.endswith(".toml")]
+
+
+def flatten(data: dict) -> dict:
+    """`read_config_from_file`: every section's keys become top-level arguments."""
+    flat: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def _flat_origins(config: ConfigFile) -> dict:
+    out = {}
+    for key, value in config.data.items():
+        if isinstance(value, dict):
+            out.update({k: config.origin(key, k) for k in value})
+        else:
+            out[key] = config.origin(key)
+    return out
+
+
+def owner(config: ConfigFile) -> str | None:
+    """For a dataset TOML: a `--config_file` TOML beside it whose dataset_config names it."""
+    if not is_dataset_config(config.data):
+        return None
+    folder = os.path.dirname(config.path)
+    target = os.path.realpath(config.path)
+    for name in listdir(folder):
+        path = os.path.join(folder, name)
+        if not name.endswith(".toml") or os.path.realpath(path) == target:
+            continue
+        try:
+            other = load_config(path, "toml")
+        except Exception:
+            continue
+        named = flatten(other.data).get("dataset_config") if isinstance(other.data, dict) else None
+        if isinstance(named, str) and os.path.realpath(resolve(folder, named)) == target:
+            return path
+    return None
+
+
+def _reason(root: str) -> str:
+    return f"{root}, the folder of the config (sd-scripts resolves against its working dir)"
+
+
+def load(config: ConfigFile) -> Layout:
+    if is_dataset_config(config.data):
+        main = owner(config)
+        if main is not None:
+            return load(load_config(main, "toml"))
+        return _layout(None, config)
+    return _layout(config, None)
+
+
+def _layout(args_file: ConfigFile | None, dataset_file: ConfigFile | None) -> Layout:
+    problems = Problems()
+    source = args_file or dataset_file
+    assert source is not None
+    root = os.path.dirname(source.path)
+    args = flatten(args_file.data) if args_file else {}
+    arg_origins = _flat_origins(args_file) if args_file else {}
+    files = [source.path]
+    if args_file is not None and dataset_file is None and "dataset_config" in args:
+        named = args["dataset_config"]
+        if not isinstance(named, str):
+            problems.invalid(arg_origins["dataset_config"], f"dataset_config is "
+                             f"{type_name(named)}: expected the path of the dataset TOML")
+        else:
+            path = resolve(root, named)
+            if os.path.isfile(path):
+                dataset_file = load_config(path, "toml")
+            else:
+                problems.missing(arg_origins["dataset_config"], "dataset_config", named, path,
+                                 _reason(root))
+    if dataset_file is not None and dataset_file is not source:
+        files.append(dataset_file.path)
+    subsets = _subsets(dataset_file, args, arg_origins, root, problems)
+    ids = unique(os.path.basename(s.image_dir.rstrip(os.sep)) or s.image_dir for s in subsets)
+    to_disk = args.get("cache_latents_to_disk")
+    datasets = []
+    for ident, subset in zip(ids, subsets, strict=True):
+        if not os.path.isdir(subset.image_dir):
+            problems.missing(subset.origin, "image_dir", subset.value, subset.image_dir,
+                             _reason(root), ident)
+        naming = KohyaNaming(root=subset.image_dir, buckets=subset.buckets,
+                             expects_cache=to_disk is not False)
+        datasets.append(Dataset(
+            ident, image_dirs=(subset.image_dir,), shallow_image_dirs=(subset.image_dir,),
+            latent_cache_dir=subset.image_dir, text_cache_dir=subset.image_dir,
+            caches_beside_images=True, options=frozen({"cache_latents_to_disk": to_disk}),
+            origins=frozen({"image_dir": subset.origin}), naming=naming,
+        ))
+    return Layout(NAME, source.path, tuple(datasets), tuple(problems.items), tuple(files), root,
+                  _reason(root))
+
+
+@dataclass
+class _Subset:
+    image_dir: str
+    value: str
+    origin: object
+    buckets: Buckets | None
+
+
+def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, root: str,
+             problems: Problems) -> list[_Subset]:
+    out: list[_Subset] = []
+    if dataset_file is None:
+        for key in ("train_data_dir", "reg_data_dir"):
+            value = args.get(key)
+            if not isinstance(value, str) or not value:
+                continue
+            base = resolve(root, value)
+            if not os.path.isdir(base):
+                problems.missing(arg_origins[key], key, value, base, _reason(root))
+                continue
+            buckets = _buckets([args], [arg_origins], problems)
+            for name in listdir(base):
+                repeats = name.split("_", 1)[0]
+                if repeats.isdigit() and int(repeats) >= 1 and os.path.isdir(os.path.join(base, name)):
+                    out.append(_Subset(os.path.join(base, name), os.path.join(value, name),
+                                       arg_origins[key], buckets))
+        return out
+    data = dataset_file.data
+    general = data.get("general", {}) if isinstance(data.get("general"), dict) else {}
+    general_origins = {k: dataset_file.origin("general", k) for k in general}
+    datasets = data.get("datasets", [])
+    if not isinstance(datasets, list):
+        problems.invalid(dataset_file.origin("datasets"), f"datasets is {type_name(datasets)}: "
+                         "expected [[datasets]] tables", key="datasets")
+        return out
+    for i, dataset in enumerate(datasets):
+        if not isinstance(dataset, dict):
+            problems.invalid(dataset_file.origin("datasets", i), f"datasets[{i}] is "
+                             f"{type_name(dataset)}: expected a table")
+            continue
+        origins = {k: dataset_file.origin("datasets", i, k) for k in dataset}
+        buckets = _buckets([dataset, general, args], [origins, general_origins, arg_origins],
+                           problems)
+        subsets = dataset.get("subsets", [])
+        if not isinstance(subsets, list):
+            problems.invalid(dataset_file.origin("datasets", i, "subsets"), "subsets is "
+                             f"{type_name(subsets)}: expected [[datasets.subsets]] tables")
+            continue
+        for j, subset in enumerate(subsets):
+            where = ("datasets", i, "subsets", j)
+            if not isinstance(subset, dict):
+                problems.invalid(dataset_file.origin(*where), f"datasets[{i}].subsets[{j}] is "
+                                 f"{type_name(subset)}: expected a table")
+                continue
+            value = subset.get("image_dir")
+            if not isinstance(value, str) or not value:
+                what = "has no image_dir" if value is None else f"has image_dir {value!r}"
+                problems.invalid(dataset_file.origin(*where, "image_dir") if value is not None
+                                 else dataset_file.origin(*where),
+                                 f"subset datasets[{i}].subsets[{j}] {what}: expected the path "
+                                 "of its image folder", key="image_dir")
+                continue
+            out.append(_Subset(resolve(root, value), value, dataset_file.origin(*where, "image_dir"),
+                               buckets))
+    return out
+
+
+# -- buckets (train_util.BucketManager, model_util.make_bucket_resolutions) ---------------------
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A dataset's bucket settings and the bucket kohya picks for an image size."""
+
+    enabled: bool
+    resolution: tuple[int, int]  # (w, h)
+    min_size: int
+    max_size: int
+    steps: int
+    no_upscale: bool
+    predefined: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+
+    @classmethod
+    def make(cls, enabled: bool, resolution: tuple[int, int], min_size: int, max_size: int,
+             steps: int, no_upscale: bool) -> Buckets:
+        if not enabled:
+            predefined = (resolution,)  # one fixed bucket, bucket settings ignored
+        elif no_upscale:
+            predefined = ()  # buckets come from each image's own size
+        else:
+            predefined = _bucket_resolutions(resolution, min_size, max_size, steps)
+        return cls(enabled, resolution, min_size, max_size, steps, no_upscale, predefined)
+
+    def select(self, width: int, height: int) -> tuple[int, int]:
+        """The (w, h) bucket of an image of this size."""
+        aspect = width / height
+        if not self.enabled or not self.no_upscale:
+            if (width, height) in self.predefined:
+                return width, height
+            # the predefined bucket of nearest aspect ratio; the first one on a tie
+            best = min(range(len(self.predefined)),
+                       key=lambda i: abs(self.predefined[i][0] / self.predefined[i][1] - aspect))
+            return self.predefined[best]
+        max_area = self.resolution[0] * self.resolution[1]
+        if width * height > max_area:
+            # shrink to the maximum area keeping the aspect ratio, then round the side whose
+            # rounding changes the aspect ratio least to the bucket step
+            w = math.sqrt(max_area * aspect)
+            h = max_area / w
+            w_round = self._round(w)
+            h_for_w = self._round(w_round / aspect)
+            h_round = self._round(h)
+            w_for_h = self._round(h_round * aspect)
+            if abs(w_round / h_for_w - aspect) < abs(w_for_h / h_round - aspect):
+                size = (w_round, int(w_round / aspect + 0.5))
+            else:
+                size = (int(h_round * aspect + 0.5), h_round)
+        else:
+            size = (width, height)
+        return size[0] - size[0] % self.steps, size[1] - size[1] % self.steps
+
+    def _round(self, x: float) -> int:
+        x = int(x + 0.5)
+        return x - x % self.steps
+
+
+def _bucket_resolutions(resolution: tuple[int, int], min_size: int, max_size: int,
+                        steps: int) -> tuple[tuple[int, int], ...]:
+    area = resolution[0] * resolution[1]
+    side = int(math.sqrt(area) // steps) * steps
+    found = {(side, side)}
+    width = min_size
+    while width <= max_size:
+        height = min(max_size, int((area // width) // steps) * steps)
+        if height >= min_size:
+            found.add((width, height))
+            found.add((height, width))
+        width += steps
+    return tuple(sorted(found))
+
+
+def _buckets(sources: list[dict], origins: list[dict], problems: Problems) -> Buckets | None:
+    """Bucket settings by kohya's fallback order; None when the resolution is unknown."""
+
+    def pick(key: str, kind: type, default: object) -> object:
+        for values, where in zip(sources, origins, strict=True):
+            if values.get(key) is None:
+                continue
+            value = values[key]
+            if isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool):
+                return value
+            want = "true or false" if kind is bool else "a whole number"
+            problems.invalid(where[key], f"{key} is {type_name(value)} ({value!r}): expected "
+                             f"{want}", key=key, expected=want)
+            return default
+        return default
+
+    resolution = None
+    for values, where in zip(sources, origins, strict=True):
+        if values.get("resolution") is None:
+            continue
+        resolution = _resolution(values["resolution"])
+        if resolution is None:
+            problems.invalid(where["resolution"], f"resolution is {values['resolution']!r}: "
+                             "expected a size such as 1024 or [1024, 768]", key="resolution")
+        break
+    settings = {k: pick(k, type(v), v) for k, v in BUCKET_DEFAULTS.items()}
+    if resolution is None:
+        return None
+    steps = int(settings["bucket_reso_steps"]) or 64
+    return Buckets.make(bool(settings["enable_bucket"]), resolution,
+                        int(settings["min_bucket_reso"]), int(settings["max_bucket_reso"]), steps,
+                        bool(settings["bucket_no_upscale"]))
+
+
+def _resolution(value: object) -> tuple[int, int] | None:
+    if isinstance(value, str):  # the --resolution argument: "512" or "512,768"
+        parts = [p.strip() for p in value.split(",")]
+        if not all(p.isdigit() for p in parts) or len(parts) not in (1, 2):
+            return None
+        value = [int(p) for p in parts]
+        value = value[0] if len(value) == 1 else value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value, value
+    if isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return value[0], value[1]
+    return None
+
+
+# -- naming ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KohyaNaming(Naming):
+    root: str
+    buckets: Buckets | None  # None: settings unknown (a bare image dir), no bucket
+    expects_cache: bool = True
+
+    stem_collisions = True
+
+    def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
+        return _Directory(self, path)
+
+    def expected_entry(self, image: str) -> str:
+        stem = os.path.splitext(os.path.basename(image))[0]
+        return f"{stem}_<W>x<H>_<arch>.npz"
+
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        stem = os.path.splitext(os.path.basename(image))[0]
+        return f"expected {stem}_<W>x<H>_<arch>.npz (or {stem}.npz) beside it"
+
+
+class _Directory(DirectoryNaming):
+    def __init__(self, naming: KohyaNaming, path: str) -> None:
+        super().__init__()
+        self.naming = naming
+        rel = os.path.relpath(path, naming.root)
+        self.prefix = "" if rel == "." else rel + "/"
+
+    def image(self, name: str) -> tuple[str, bool] | None:
+        if not name.endswith(IMAGE_EXTENSIONS):
+            return None
+        return self.prefix + os.path.splitext(name)[0], self.naming.expects_cache
+
+    def cache(self, name: str, meta: FileMeta) -> CacheFacts:
+        if not name.endswith(".npz"):
+            return CacheFacts()
+        match = LATENT_NAME.match(name)
+        if match is None:
+            return CacheFacts(key=self.prefix + name[:-4], naming="legacy")
+        stem, arch = match["stem"], match["arch"]
+        buckets = self.naming.buckets
+        width, height = int(match["w"]), int(match["h"])
+        if buckets is None or width == 0 or height == 0:
+            return CacheFacts(key=self.prefix + stem, family=arch)
+        bw, bh = buckets.select(width, height)
+        stride = STRIDE.get(arch, 8)
+        return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
+                          expected=(bh // stride, bw // stride), family=arch)

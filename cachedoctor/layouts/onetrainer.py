@@ -1,0 +1,296 @@
+"""OneTrainer: a training config JSON (`"__version"`, `cache_dir`, `concepts` or
+`concept_file_name`), as Nerogar/OneTrainer 23df3832 (2026-08-19) with Nerogar/mgds 3a6994ad
+reads it (modules/util/config/TrainConfig.py, ConceptConfig.py; mgds DiskCache.py).
+
+Paths: OneTrainer opens every relative path (`cache_dir`, `concept_file_name`, concept `path`)
+from its working dir, the OneTrainer folder, where the UI saves configs in
+`training_presets/`. So a config in `<root>/training_presets/` resolves against `<root>`, any
+other config against its own folder.
+
+Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample: `latent_image`,
+`original_resolution`, `crop_offset`, ...) and `aggregate.pt` beside them, written last: a list
+whose item i holds `image_path` and `crop_resolution` (h, w) of `<i>.pt`. The group hash covers
+the concept's whole image config with defaults filled in, so files are mapped to images through
+`aggregate.pt`, read with cachedoctor's restricted unpickler, never torch.load. Text embeddings
+go to `<cache_dir>/text/...` with an aggregate of empty dicts. mgds saves tensors from
+`train_device` without `.cpu()` and loads them with `map_location=train_device`, so a GPU
+location is what OneTrainer expects here (no CD501). With `clear_cache_before_training` (the
+default) and `latent_caching`, the master process deletes `image/` and `text/` at every start
+(GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
+
+One dataset per config (named after the config file): OneTrainer's concepts share one cache.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.formats.torch_object import ObjectError, read_object
+from cachedoctor.layouts.base import (
+    CacheFacts,
+    Dataset,
+    DirectoryNaming,
+    Layout,
+    Naming,
+    frozen,
+)
+from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.paths import canonical, resolve
+from cachedoctor.layouts.sources import ConfigFile
+from cachedoctor.layouts.sources import load as load_config
+
+NAME = "onetrainer"
+TITLE = "OneTrainer"
+KEYS = frozenset({"cache_dir", "concepts", "concept_file_name", "latent_caching",
+                  "clear_cache_before_training", "train_device", "workspace_dir"})
+VARIATION = re.compile(r"^variation-\d+$")
+# mgds CollectPaths: the supported image types, and the masks/conditioning images beside them
+IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".jxl", ".avif")
+NOT_SAMPLES = ("-masklabel", "-condlabel")
+VAE_FACTOR = 8
+PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
+SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
+
+
+def claims(config: ConfigFile) -> bool:
+    data = config.data
+    return (config.kind == "json" and isinstance(data, dict)
+            and (("__version" in data and bool(KEYS & data.keys()))
+                 or {"cache_dir", "concept_file_name"} <= data.keys()))
+
+
+def discover(folder: str) -> list[str]:
+    """Config JSONs at the top of the folder and the user's saved ones in training_presets/
+    (OneTrainer's own presets start with '#')."""
+    found = [os.path.join(folder, n) for n in listdir(folder) if n.endswith(".json")]
+    presets = os.path.join(folder, PRESETS)
+    found += [os.path.join(presets, n) for n in listdir(presets)
+              if n.endswith(".json") and not n.startswith("#")]
+    return found
+
+
+def _reason(root: str) -> str:
+    return f"{root}, OneTrainer's working dir"
+
+
+def load(config: ConfigFile) -> Layout:
+    problems = Problems()
+    data = config.data
+    root = working_dir(config.path, PRESETS)
+    ident = os.path.splitext(os.path.basename(config.path))[0]
+    files = [config.path]
+
+    def get(key: str, kind: type, default: object) -> object:
+        return typed(config, problems, (), data, key, kind, default, ident)
+
+    cache_value = get("cache_dir", str, "workspace-cache/run")
+    cache_dir = resolve(root, str(cache_value))
+    latent_caching = bool(get("latent_caching", bool, True))
+    clear = bool(get("clear_cache_before_training", bool, True))
+    train_device = str(get("train_device", str, "cuda"))
+    temp_device = str(get("temp_device", str, "cpu"))
+    multi_gpu = bool(get("multi_gpu", bool, False))
+    indexes = str(get("device_indexes", str, ""))
+    processes = (len([i for i in indexes.split(",") if i.strip()]) or 2) if multi_gpu else 1
+    concepts, concepts_file = _concepts(config, root, ident, problems)
+    if concepts_file:
+        files.append(concepts_file.path)
+    image_dirs, shallow, concept_origins = [], [], {}
+    for index, concept in enumerate(concepts or []):
+        where = concepts_file or config
+        at = (index,) if concepts_file else ("concepts", index)
+        if not isinstance(concept, dict):
+            problems.invalid(where.origin(*at), f"concept #{index + 1} is "
+                             f"{type(concept).__name__}: expected an object", ident)
+            continue
+        if not typed(where, problems, at, concept, "enabled", bool, True, ident):
+            continue
+        path = typed(where, problems, at, concept, "path", str, "", ident)
+        name = concept.get("name") or f"#{index + 1}"
+        if not path:
+            problems.invalid(where.origin(*at, "path"), f"concept '{name}' has no path: expected "
+                             "its image folder", ident, key="path")
+            continue
+        directory = resolve(root, path)
+        origin = where.origin(*at, "path")
+        if not os.path.isdir(directory):
+            problems.missing(origin, f"concept '{name}' path", path, directory, _reason(root),
+                             ident)
+        image_dirs.append(directory)
+        concept_origins[directory] = origin
+        if not typed(where, problems, at, concept, "include_subdirectories", bool, False, ident):
+            shallow.append(directory)
+    aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
+    shared = _sharing(config.path, root, cache_dir) if clear and latent_caching else ()
+    origins = {
+        "latent_cache_dir": config.origin("cache_dir"),
+        "text_cache_dir": config.origin("cache_dir"),
+        "clear_cache_before_training": config.origin("clear_cache_before_training"),
+        "image_dir": next(iter(concept_origins.values()), config.origin("concepts")),
+        "dataset": config.origin(),
+    }
+    origins.update({f"image_dir:{d}": o for d, o in concept_origins.items()})
+    if multi_gpu:
+        origins["processes"] = config.origin("multi_gpu")
+    dataset = Dataset(
+        ident,
+        cache_dirs=(os.path.join(cache_dir, "image"), os.path.join(cache_dir, "text")),
+        image_dirs=tuple(image_dirs),
+        shallow_image_dirs=tuple(shallow),
+        latent_cache_dir=os.path.join(cache_dir, "image"),
+        text_cache_dir=os.path.join(cache_dir, "text"),
+        vae_factor=VAE_FACTOR,
+        processes=processes,
+        expected_device=train_device,
+        cache_rebuilt_at_start=clear and latent_caching,
+        options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
+                        "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
+                        "train_device": train_device, "temp_device": temp_device,
+                        "cache_shared_with": shared,
+                        "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
+        origins=frozen(origins),
+        naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching),
+    )
+    return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
+                  _reason(root))
+
+
+def _concepts(config: ConfigFile, root: str, ident: str,
+              problems: Problems) -> tuple[list | None, ConfigFile | None]:
+    data = config.data
+    inline = data.get("concepts")
+    if inline is not None:
+        if not isinstance(inline, list):
+            problems.invalid(config.origin("concepts"), f"concepts is {type(inline).__name__}: "
+                             "expected a list of concepts", ident, key="concepts")
+            return None, None
+        return inline, None
+    name = typed(config, problems, (), data, "concept_file_name", str,
+                 "training_concepts/concepts.json", ident)
+    path = resolve(root, name)
+    if not os.path.isfile(path):
+        problems.missing(config.origin("concept_file_name"), "concept_file_name", name, path,
+                         _reason(root), ident)
+        return None, None
+    concepts = load_config(path, "json")
+    if not isinstance(concepts.data, list):
+        problems.invalid(concepts.origin(), f"the concept file holds "
+                         f"{type(concepts.data).__name__}: expected a list of concepts", ident)
+        return None, concepts
+    return concepts.data, concepts
+
+
+def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
+    """The other OneTrainer configs of this working dir that use the same cache_dir."""
+    mine = canonical(cache_dir)
+    found = []
+    for other in discover(root) + discover(os.path.dirname(path)):
+        if os.path.realpath(other) == os.path.realpath(path) or other in found:
+            continue
+        try:
+            config = load_config(other, "json")
+        except Exception:  # a broken sibling is not what is being scanned
+            continue
+        if not claims(config):
+            continue
+        value = config.data.get("cache_dir", "workspace-cache/run")
+        if isinstance(value, str) and canonical(resolve(working_dir(other, PRESETS), value)) == mine:
+            found.append(other)
+    return tuple(found)
+
+
+# -- aggregate.pt --------------------------------------------------------------------------------
+
+Entries = tuple[tuple[str | None, tuple[int, int] | None], ...]
+
+
+def read_aggregates(image_cache: str, root: str) -> dict[str, Entries]:
+    """variation dir -> (image path, crop (h, w)) per sample index, from each aggregate.pt.
+
+    A missing or unreadable aggregate.pt leaves its folder out: OneTrainer re-caches a folder
+    without one, and a broken one is reported by the file rules (CD101).
+    """
+    out: dict[str, Entries] = {}
+    pattern = os.path.join(glob.escape(image_cache), "*", "variation-*", "aggregate.pt")
+    for path in sorted(glob.glob(pattern)):
+        entries = aggregate_entries(path, root)
+        if entries is not None:
+            out[os.path.dirname(path)] = entries
+    return out
+
+
+def aggregate_entries(path: str, root: str) -> Entries | None:
+    try:
+        obj = read_object(path)
+    except (ObjectError, OSError):
+        return None
+    if not isinstance(obj, list):
+        return None
+    entries = []
+    for item in obj:
+        image, crop = None, None
+        if isinstance(item, dict):
+            raw = item.get("image_path")
+            if isinstance(raw, str) and raw:
+                image = resolve(root, raw)
+            size = item.get("crop_resolution")
+            if isinstance(size, tuple | list) and len(size) == 2 and all(
+                    isinstance(v, int) and v > 0 for v in size):
+                crop = (int(size[0]), int(size[1]))
+        entries.append((image, crop))
+    return tuple(entries)
+
+
+@dataclass(frozen=True)
+class OneTrainerNaming(Naming):
+    aggregates: Mapping[str, Entries]  # variation dir -> entries by sample index
+    expects_cache: bool = True
+
+
+    def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
+        return _Directory(self, path, area)
+
+    def expected_entry(self, image: str) -> str:
+        return "an entry in an aggregate.pt"
+
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        return f"no aggregate.pt under {cache_dir} lists it"
+
+
+class _Directory(DirectoryNaming):
+    def __init__(self, naming: OneTrainerNaming, path: str, area: str) -> None:
+        super().__init__()
+        self.path, self.area = path, area
+        self.naming = naming
+        self.entries = naming.aggregates.get(path)
+        self.in_variation = VARIATION.match(os.path.basename(path)) is not None
+
+    def image(self, name: str) -> tuple[str, bool] | None:
+        if self.area != "images":
+            return None
+        stem, ext = os.path.splitext(name)
+        if ext.lower() not in IMAGE_EXTENSIONS or stem.endswith(NOT_SAMPLES):
+            return None
+        return os.path.join(self.path, name), self.naming.expects_cache
+
+    def cache(self, name: str, meta: FileMeta) -> CacheFacts:
+        if not self.in_variation or not name.endswith(".pt"):
+            return CacheFacts()
+        if self.entries is None:
+            return CacheFacts(naming="no-aggregate")  # OneTrainer re-caches this folder
+        try:
+            index = int(name[:-3])
+        except ValueError:
+            return CacheFacts()
+        if not 0 <= index < len(self.entries):
+            return CacheFacts(key=f"unlisted:{self.path}/{index}", naming="unlisted")
+        image, crop = self.entries[index]
+        if crop is None:
+            return CacheFacts(key=image)
+        h, w = crop
+        return CacheFacts(key=image, bucket=f"{w}x{h}", expected=(h // VAE_FACTOR, w // VAE_FACTOR))

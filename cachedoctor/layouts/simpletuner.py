@@ -1,0 +1,596 @@
+"""SimpleTuner: `config/config.json|toml|env` and the data backend config it names
+(`multidatabackend.json`), as SimpleTuner 4.8.0 reads them (bghira/SimpleTuner at bc8e6ab7,
+2026-08-22).
+
+Paths: SimpleTuner resolves every relative path against its working directory, the project root
+that holds `config/` (configuration/json_file.py looks for `config/config.json` there). So a
+config at `<root>/config/config.json` or `<root>/config/<env>/config.json` resolves against
+`<root>`; a config outside any `config/` folder resolves against its own folder.
+
+What is read (simpletuner/helpers/data_backend/factory.py, configuration/env_file.py):
+- main config keys with or without `--`; a string "false" drops a flag. `config.env` maps
+  `TRAINING_NUM_PROCESSES`, `DATALOADER_CONFIG`, `OUTPUT_DIR`, `MODEL_FAMILY` and
+  `TRAINER_EXTRA_ARGS`; with a JSON or TOML config, `config/config.env` and
+  `config/<env>/config.env` are still sourced for `TRAINING_NUM_PROCESSES` (cli/train.py).
+- each enabled `local` dataset: `instance_data_dir` (or `instance_data_root`), `cache_dir_vae`
+  (default `<output_dir>/cache/vae/<model_family>/<id>`, output_dir default
+  `<root>/.simpletuner_output`), `vae_cache_clear_each_epoch`, `vae_cache_ondemand`,
+  `vae_cache_disable`, `compress_cache`, `crop_aspect`, `cache_file_suffix`;
+  `text_embeds` datasets: `cache_dir` (default `--cache_dir_text`, itself `cache`); with none,
+  SimpleTuner adds `<output_dir>/cache/text/<model_family>`. Remote datasets (aws, csv,
+  huggingface, webshart) are not scanned.
+- `{model_family}`, `{output_dir}`, `{id}` and `{env:VAR}` in dataset values
+  (`fill_variables_in_config_paths`; an unset VAR becomes "" there, a CD409 here).
+- bucket files in the image dir: `aspect_ratio_bucket_indices_<suffix>.json` (bucket ->
+  absolute image paths) and `aspect_ratio_bucket_metadata_<suffix>.json` (path ->
+  `target_size` [w, h]); suffix = `cache_file_suffix` or the id.
+
+Naming (caching/vae.py `generate_vae_cache_filename`): `<cache_dir_vae>/<sub>/<sha256(stem)>.pt`
+where `<sub>` is the image's folder with the configured `instance_data_dir` string removed
+(`str.replace`, then leading `/` stripped: with a relative instance_data_dir this leaves a
+fragment of the absolute path, as SimpleTuner does). Only the stem is hashed, so `a.png` and
+`a.jpg` share one entry. Unhashed `<stem>.pt` files (before 2024-08, or `hash_filenames: false`
+until 2025-12) are no longer read by SimpleTuner: they are orphans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts.base import (
+    CacheFacts,
+    Dataset,
+    DirectoryNaming,
+    Layout,
+    Naming,
+    Origin,
+    frozen,
+)
+from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.paths import resolve
+from cachedoctor.layouts.sources import ConfigFile
+from cachedoctor.layouts.sources import load as load_config
+
+NAME = "simpletuner"
+TITLE = "SimpleTuner"
+MAIN_NAMES = ("config.json", "config.toml", "config.env")
+ENV_KEYS = {
+    "TRAINING_NUM_PROCESSES": "num_processes",
+    "DATALOADER_CONFIG": "data_backend_config",
+    "OUTPUT_DIR": "output_dir",
+    "MODEL_FAMILY": "model_family",
+}
+MAIN_KEYS = frozenset({"data_backend_config", "model_family", "output_dir", "num_processes",
+                       "pretrained_model_name_or_path", "model_type", "cache_dir_vae"})
+BACKEND_KEYS = frozenset({"instance_data_dir", "instance_data_root", "dataset_type",
+                          "cache_dir_vae", "caption_strategy", "metadata_backend"})
+IMAGE_TYPES = frozenset({"image", "video", "conditioning"})
+# simpletuner/helpers/image_manipulation/load.py image_file_extensions (lower-cased match)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".jxl", ".bmp", ".tif", ".tiff", ".avif")
+VIDEO_EXTENSIONS = (".mp4", ".mov", ".avi", ".webm", ".mkv", ".gif")
+SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
+VAE_FACTOR = 8  # metadata/backends/base.py: vae_output_scaling_factor = 8
+
+
+# -- sniffing and discovery --------------------------------------------------------------------
+
+
+def claims(config: ConfigFile) -> bool:
+    data, name = config.data, os.path.basename(config.path).lower()
+    if isinstance(data, list):
+        return config.kind == "json" and (name.startswith("multidatabackend") or any(
+            isinstance(d, dict) and BACKEND_KEYS.intersection(d) for d in data))
+    if not isinstance(data, dict) or "__version" in data:
+        return False
+    if config.kind == "env":
+        return name == "config.env" or bool(ENV_KEYS.keys() & data.keys())
+    keys = {str(k).lstrip("-") for k in data}
+    return "data_backend_config" in keys or (name in MAIN_NAMES and bool(MAIN_KEYS & keys))
+
+
+def discover(folder: str) -> list[str]:
+    """Main configs in `config/` and `config/<env>/` (json, then toml, then env, as SimpleTuner
+    picks them); backend configs there only when no main config names one."""
+    config_dir = os.path.join(folder, "config")
+    if not os.path.isdir(config_dir):
+        config_dir = folder if os.path.basename(os.path.abspath(folder)) == "config" else ""
+    if not config_dir:
+        return []
+    dirs = [config_dir] + [os.path.join(config_dir, d) for d in listdir(config_dir)
+                           if os.path.isdir(os.path.join(config_dir, d))]
+    mains = []
+    for directory in dirs:
+        main = next((os.path.join(directory, n) for n in MAIN_NAMES
+                     if os.path.isfile(os.path.join(directory, n))), None)
+        if main:
+            mains.append(main)
+    if mains:
+        return mains
+    return [os.path.join(config_dir, n) for n in listdir(config_dir)
+            if n.startswith("multidatabackend") and n.endswith(".json")]
+
+
+def owner(config: ConfigFile) -> str | None:
+    """For a backend config: the main config that names it, by SimpleTuner's conventions."""
+    if not isinstance(config.data, list):
+        return None
+    root = project_root(config.path)
+    target = os.path.realpath(config.path)
+    for candidate in discover(root):
+        if os.path.basename(candidate) not in MAIN_NAMES:
+            continue
+        try:
+            main = load_config(candidate)
+        except Exception:
+            continue
+        args, _ = main_args(main, Problems())
+        named = args.get("data_backend_config")
+        if isinstance(named, str) and os.path.realpath(resolve(root, named)) == target:
+            return candidate
+    return None
+
+
+def project_root(path: str) -> str:
+    return working_dir(path, "config")
+
+
+# -- the main config -----------------------------------------------------------------------------
+
+
+def main_args(config: ConfigFile, problems: Problems) -> tuple[dict[str, Any], dict[str, Origin]]:
+    """The arguments a main config sets (keys without `--`), and where each was set."""
+    args: dict[str, Any] = {}
+    origins: dict[str, Origin] = {}
+    data = config.data if isinstance(config.data, dict) else {}
+    if config.kind == "env":
+        for var, key in ENV_KEYS.items():
+            if var in data:
+                args[key], origins[key] = data[var], config.origin(var)
+        extra = data.get("TRAINER_EXTRA_ARGS", "")
+        try:
+            tokens = shlex.split(extra)
+        except ValueError:
+            tokens = extra.split()
+        for token in tokens:
+            if token.startswith("--"):
+                key, _, value = token[2:].partition("=")
+                args[key], origins[key] = (value or True), config.origin("TRAINER_EXTRA_ARGS")
+        return args, origins
+    for raw, value in data.items():
+        key = str(raw).lstrip("-")
+        if value == "false":
+            continue  # SimpleTuner drops the flag
+        args[key], origins[key] = value, config.origin(raw)
+    return args, origins
+
+
+def sourced_processes(config: ConfigFile, root: str) -> tuple[Any, Origin] | None:
+    """TRAINING_NUM_PROCESSES from the config.env files SimpleTuner sources beside a JSON or
+    TOML config (the environment's wins over the base one)."""
+    found = None
+    directory = os.path.dirname(config.path)
+    candidates = [os.path.join(root, "config", "config.env")]
+    if directory != os.path.join(root, "config"):
+        candidates.append(os.path.join(directory, "config.env"))
+    for path in candidates:
+        if not os.path.isfile(path) or os.path.realpath(path) == os.path.realpath(config.path):
+            continue
+        try:
+            env = load_config(path, "env")
+        except Exception:
+            continue
+        if "TRAINING_NUM_PROCESSES" in env.data:
+            found = env.data["TRAINING_NUM_PROCESSES"], env.origin("TRAINING_NUM_PROCESSES")
+    return found
+
+
+# -- the layout --------------------------------------------------------------------------------
+
+
+def load(config: ConfigFile) -> Layout:
+    if isinstance(config.data, list):
+        main_path = owner(config)
+        if main_path is not None:
+            return load(load_config(main_path))
+        return _layout(None, config, {}, {}, Problems())
+    problems = Problems()
+    args, origins = main_args(config, problems)
+    root = project_root(config.path)
+    named = args.get("data_backend_config")
+    if named is None:
+        return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
+                      _reason(root))
+    if not isinstance(named, str) or not named:
+        problems.invalid(origins["data_backend_config"], "data_backend_config is "
+                         f"{named!r}: expected the path of the data backend JSON file")
+        return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
+                      _reason(root))
+    backend_path = resolve(root, named)
+    if not os.path.isfile(backend_path):
+        problems.missing(origins["data_backend_config"], "data_backend_config", named,
+                         backend_path, _reason(root))
+        return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
+                      _reason(root))
+    return _layout(config, load_config(backend_path, "json"), args, origins, problems)
+
+
+def _reason(root: str) -> str:
+    return f"{root}, SimpleTuner's working dir (the folder that holds config/)"
+
+
+@dataclass
+class _Globals:
+    root: str
+    output_dir: str
+    model_family: str
+    processes: int
+    origins: dict[str, Origin]
+    args: dict[str, Any]
+
+
+def _globals(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
+             origins: dict[str, Origin], problems: Problems) -> _Globals:
+    root = project_root(main.path if main else backend.path)
+    if main is not None and main.kind != "env" and "num_processes" not in args:
+        sourced = sourced_processes(main, root)
+        if sourced:
+            args["num_processes"], origins["num_processes"] = sourced
+    processes = 1
+    if "num_processes" in args:
+        raw = args["num_processes"]
+        try:
+            processes = int(str(raw).strip())
+            if processes < 1:
+                raise ValueError
+        except ValueError:
+            problems.invalid(origins["num_processes"], f"num_processes is {raw!r}: expected a "
+                             "whole number of at least 1", key="num_processes")
+            processes = 1
+    family = args.get("model_family")
+    family = family if isinstance(family, str) and family else "unknown_model"
+    output = args.get("output_dir")
+    output_dir = resolve(root, output) if isinstance(output, str) and output else os.path.join(
+        root, ".simpletuner_output")
+    return _Globals(root, output_dir, family, processes, origins, args)
+
+
+def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
+            origins: dict[str, Origin], problems: Problems) -> Layout:
+    g = _globals(main, backend, args, origins, problems)
+    read = (main.path if main else None, backend.path,
+            origins["num_processes"].file if "num_processes" in origins else None)
+    files = tuple(dict.fromkeys(p for p in read if p))
+    source = main.path if main else backend.path
+    if not isinstance(backend.data, list):
+        problems.invalid(backend.origin(), "the data backend config is "
+                         f"{type(backend.data).__name__}: expected a JSON list of datasets")
+        return Layout(NAME, source, (), tuple(problems.items), files, g.root, _reason(g.root))
+    entries = _entries(backend, g, problems)
+    text = [e for e in entries if e.dataset_type == "text_embeds"]
+    if not text:
+        directory = os.path.join(g.output_dir, "cache", "text", g.model_family)
+        text = [_Entry(-1, "text-embeds", "text_embeds", {"cache_dir": directory}, {},
+                       default_text=True)]
+    text_dirs = {e.id: _text_dir(e, g) for e in text}
+    datasets: list[Dataset] = []
+    for entry in entries:
+        if entry.dataset_type in IMAGE_TYPES:
+            made = _image_dataset(backend, entry, g, text_dirs, problems)
+            if made is not None:
+                datasets.append(made)
+    for entry in text:
+        directory = text_dirs[entry.id]
+        origin = (backend.origin(entry.index, "cache_dir") if entry.index >= 0
+                  else Origin(backend.path, "cache_dir_text", None))
+        datasets.append(Dataset(
+            entry.id, cache_dirs=(directory,), text_cache_dir=directory,
+            model_family=g.model_family, processes=g.processes,
+            options=frozen({"suggest:text_cache_dir":
+                            '"cache_dir": "{output_dir}/cache/text/{model_family}"'}),
+            origins=frozen({"text_cache_dir": origin}),
+        ))
+    return Layout(NAME, source, tuple(datasets), tuple(problems.items), files, g.root,
+                  _reason(g.root))
+
+
+@dataclass
+class _Entry:
+    index: int
+    id: str
+    dataset_type: str
+    values: dict[str, Any]  # placeholders filled
+    unset: dict[str, str] = field(default_factory=dict)  # key -> the {env:VAR} left unset
+    default_text: bool = False
+
+
+def _entries(backend: ConfigFile, g: _Globals, problems: Problems) -> list[_Entry]:
+    entries: list[_Entry] = []
+    raw_ids = []
+    for index, raw in enumerate(backend.data):
+        if not isinstance(raw, dict):
+            problems.invalid(backend.origin(index), f"dataset #{index + 1} is "
+                             f"{type(raw).__name__}: expected an object with an id")
+            continue
+        if raw.get("disabled") is True or raw.get("disable") is True:
+            continue
+        ident = raw.get("id")
+        if not isinstance(ident, str) or not ident:
+            problems.invalid(backend.origin(index, "id"), f"dataset #{index + 1} has no id: "
+                             "expected a unique string", key="id")
+            ident = f"#{index + 1}"
+        elif ident in raw_ids:
+            problems.invalid(backend.origin(index, "id"), f"dataset id '{ident}' is used twice: "
+                             "SimpleTuner needs unique ids", ident, key="id")
+        raw_ids.append(ident)
+        kind = typed(backend, problems, (index,), raw, "dataset_type", str, "image", ident)
+        if raw.get("type", "local") != "local":
+            continue  # aws, csv, huggingface, webshart, memory: nothing on this disk
+        unset: dict[str, str] = {}
+        values = {key: _fill(value, key, ident, g, unset) for key, value in raw.items()}
+        for key, var in unset.items():
+            problems.invalid(backend.origin(index, key), f"{{env:{var}}} in {key} is not set: "
+                             "SimpleTuner puts an empty string in its place", ident, key=key,
+                             variable=var)
+        entries.append(_Entry(index, ident, kind, values, unset))
+    return entries
+
+
+def _fill(value: Any, key: str, ident: str, g: _Globals, unset: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        def replace(match: re.Match[str]) -> str:
+            token = match.group(1)
+            if token.startswith("env:"):
+                found = os.environ.get(token[4:])
+                if found is None:
+                    unset.setdefault(key, token[4:])
+                return found or ""
+            mapping = {"model_family": g.model_family, "output_dir": g.output_dir, "id": ident}
+            return str(mapping[token]) if token in mapping else match.group(0)
+
+        return PLACEHOLDER.sub(replace, value)
+    if isinstance(value, list):
+        return [_fill(v, key, ident, g, unset) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill(v, key, ident, g, unset) for k, v in value.items()}
+    return value
+
+
+def _text_dir(entry: _Entry, g: _Globals) -> str:
+    directory = entry.values.get("cache_dir")
+    if not isinstance(directory, str) or not directory:
+        directory = g.args.get("cache_dir_text") or "cache"
+    return resolve(g.root, str(directory))
+
+
+def _flag(backend: ConfigFile, problems: Problems, entry: _Entry, key: str, default: Any) -> Any:
+    return typed(backend, problems, (entry.index,), entry.values, key, bool, default, entry.id)
+
+
+def _global_flag(g: _Globals, key: str, default: bool) -> bool:
+    value = g.args.get(key, default)
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "0", "no", "")
+    return bool(value)
+
+
+def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: dict[str, str],
+                   problems: Problems) -> Dataset | None:
+    i, values, ident = entry.index, entry.values, entry.id
+    key = "instance_data_dir" if "instance_data_dir" in values else "instance_data_root"
+    raw_dir = values.get(key)
+    if key in entry.unset:
+        return None  # reported as CD409; the path SimpleTuner would use is meaningless
+    if not isinstance(raw_dir, str) or not raw_dir.strip():
+        what = "has no instance_data_dir" if raw_dir is None else (
+            f"has instance_data_dir {raw_dir!r}")
+        problems.invalid(backend.origin(i, "instance_data_dir" if raw_dir is None else key),
+                         f"local dataset '{ident}' {what}: expected the path of its image "
+                         "folder (SimpleTuner refuses to start)", ident, key="instance_data_dir")
+        return None
+    configured = raw_dir.strip().rstrip("/")
+    image_dir = resolve(g.root, configured)
+    if not os.path.isdir(image_dir):
+        problems.missing(backend.origin(i, key), key, raw_dir, image_dir, _reason(g.root), ident)
+    vae = values.get("cache_dir_vae")
+    vae_origin = backend.origin(i, "cache_dir_vae")
+    if "cache_dir_vae" in entry.unset:
+        vae = None
+    elif vae is not None and not isinstance(vae, str):
+        problems.invalid(vae_origin, f"cache_dir_vae is {vae!r}: expected a path", ident,
+                         key="cache_dir_vae")
+        vae = None
+    if not vae:
+        vae = g.args.get("cache_dir_vae") or os.path.join(g.output_dir, "cache", "vae",
+                                                           g.model_family, ident)
+        vae_origin = Origin(backend.path, "cache_dir_vae", backend.line(i))
+    cache_dir = resolve(g.root, vae)
+    ondemand = _flag(backend, problems, entry, "vae_cache_ondemand",
+                     _global_flag(g, "vae_cache_ondemand", False))
+    disabled = _flag(backend, problems, entry, "vae_cache_disable",
+                     _global_flag(g, "vae_cache_disable", False))
+    options = {
+        "vae_cache_clear_each_epoch": _flag(backend, problems, entry,
+                                            "vae_cache_clear_each_epoch", False),
+        "vae_cache_ondemand": ondemand,
+        "vae_cache_disable": disabled,
+        "compress_cache": _flag(backend, problems, entry, "compress_cache",
+                                _global_flag(g, "compress_disk_cache", True)),
+        "crop_aspect": values.get("crop_aspect"),
+        "suggest:latent_cache_dir": f'"cache_dir_vae": "{{output_dir}}/cache/vae/{{model_family}}/{ident}"',
+    }
+    origins = {
+        "image_dir": backend.origin(i, key),
+        "latent_cache_dir": vae_origin,
+        "dataset": backend.origin(i),
+    }
+    for option in ("vae_cache_clear_each_epoch", "crop_aspect"):
+        if option in values:
+            origins[option] = backend.origin(i, option)
+    if "num_processes" in g.origins:
+        origins["processes"] = g.origins["num_processes"]
+    text_id = values.get("text_embeds")
+    text_dir = text_dirs.get(text_id) if isinstance(text_id, str) else None
+    if text_dir is None and text_dirs:
+        text_dir = next(iter(text_dirs.values()))
+    suffix = values.get("cache_file_suffix") or ident
+    buckets = _bucket_files(backend, entry, image_dir, configured, str(suffix), problems,
+                            values.get("metadata_backend", "discovery"))
+    naming = SimpleTunerNaming(
+        instance_dir=configured, image_root=image_dir, cache_root=cache_dir,
+        buckets=frozen(buckets.by_key), listed=buckets.listed,
+        expects_cache=not (ondemand or disabled),
+    )
+    return Dataset(
+        ident, cache_dirs=(cache_dir,), image_dirs=(image_dir,), latent_cache_dir=cache_dir,
+        text_cache_dir=text_dir, vae_factor=VAE_FACTOR, model_family=g.model_family,
+        processes=g.processes, options=frozen(options), origins=frozen(origins), naming=naming,
+        listed_images=buckets.listed or frozenset(), listing=buckets.origin,
+    )
+
+
+# -- bucket metadata ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Buckets:
+    by_key: dict[str, tuple[str, tuple[int, int] | None]] = field(default_factory=dict)
+    listed: frozenset[str] | None = None
+    origin: Origin | None = None
+
+
+def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured: str,
+                  suffix: str, problems: Problems, metadata_backend: Any) -> _Buckets:
+    out = _Buckets()
+    if metadata_backend not in (None, "discovery", "json"):
+        return out  # parquet / huggingface metadata: not bucket JSON files
+    indices_path = os.path.join(image_dir, f"aspect_ratio_bucket_indices_{suffix}.json")
+    metadata_path = os.path.join(image_dir, f"aspect_ratio_bucket_metadata_{suffix}.json")
+    indices = _read_json(indices_path, entry.id, problems)
+    metadata = _read_json(metadata_path, entry.id, problems)
+    if not isinstance(indices, dict):
+        return out
+    out.origin = Origin(indices_path, "aspect_ratio_bucket_indices", None)
+    raw = indices.get("aspect_ratio_bucket_indices")
+    if not isinstance(raw, dict):
+        problems.invalid(out.origin, "aspect_ratio_bucket_indices is missing or not a mapping: "
+                         "expected {bucket: [image paths]} (SimpleTuner rebuilds the file)",
+                         entry.id)
+        return out
+    listed: set[str] = set()
+    sizes = metadata if isinstance(metadata, dict) else {}
+    for bucket, paths in raw.items():
+        if not isinstance(paths, list):
+            continue
+        for path in paths:
+            if not isinstance(path, str):
+                continue
+            absolute = resolve(image_dir, path)
+            listed.add(absolute)
+            key = vae_key(configured, absolute)
+            target = None
+            meta = sizes.get(path)
+            if isinstance(meta, dict):
+                size = meta.get("target_size")
+                if isinstance(size, list) and len(size) == 2 and all(
+                        isinstance(v, int) and v > 0 for v in size):
+                    target = (size[1] // VAE_FACTOR, size[0] // VAE_FACTOR)
+            out.by_key.setdefault(key, (str(bucket), target))
+    out.listed = frozenset(listed)
+    return out
+
+
+def _read_json(path: str, dataset: str, problems: Problems) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        problems.invalid(Origin(path, os.path.basename(path)), f"cannot read: {exc.strerror}",
+                         dataset)
+    except (ValueError, RecursionError) as exc:
+        problems.invalid(Origin(path, os.path.basename(path), getattr(exc, "lineno", None)),
+                         f"not valid JSON ({str(exc).splitlines()[0][:120]}): SimpleTuner logs "
+                         "'Error loading aspect bucket cache' and rebuilds it", dataset)
+    return None
+
+
+# -- naming ------------------------------------------------------------------------------------
+
+
+def vae_key(configured: str, image: str) -> str:
+    """The coverage key of an image: its cache sub-folder and the sha256 of its stem."""
+    folder = os.path.dirname(image).replace(configured, "").lstrip(os.sep) if configured else ""
+    stem = os.path.splitext(os.path.basename(image))[0]
+    return _join(folder, hashlib.sha256(stem.encode("utf-8", "surrogateescape")).hexdigest())
+
+
+def _join(folder: str, name: str) -> str:
+    folder = os.path.normpath(folder) if folder else ""
+    return name if folder in ("", ".") else f"{folder}/{name}"
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+@dataclass(frozen=True)
+class SimpleTunerNaming(Naming):
+    instance_dir: str  # as configured: SimpleTuner removes this string from image folders
+    image_root: str
+    cache_root: str
+    buckets: Mapping[str, tuple[str, tuple[int, int] | None]]
+    listed: frozenset[str] | None  # images in the bucket file; None when there is none
+    expects_cache: bool
+
+    stem_collisions = True
+
+    def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
+        return _Directory(self, path)
+
+    def expected_entry(self, image: str) -> str:
+        return f"{os.path.basename(vae_key(self.instance_dir, image))}.pt"
+
+
+class _Directory(DirectoryNaming):
+    def __init__(self, naming: SimpleTunerNaming, path: str) -> None:
+        super().__init__()
+        self.naming, self.path = naming, path
+        self.in_images = _under(path, naming.image_root)
+        self.in_cache = _under(path, naming.cache_root)
+        folder = path.replace(naming.instance_dir, "").lstrip(os.sep) if naming.instance_dir else ""
+        self.image_folder = folder
+        self.cache_folder = os.path.relpath(path, naming.cache_root) if self.in_cache else ""
+
+    def image(self, name: str) -> tuple[str, bool] | None:
+        if not self.in_images or not name.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS):
+            return None
+        stem = os.path.splitext(name)[0]
+        key = _join(self.image_folder, hashlib.sha256(stem.encode("utf-8", "surrogateescape"))
+                    .hexdigest())
+        naming = self.naming
+        expected = naming.expects_cache and (
+            naming.listed is None or os.path.join(self.path, name) in naming.listed)
+        return key, expected
+
+    def cache(self, name: str, meta: FileMeta) -> CacheFacts:
+        if not self.in_cache or not name.endswith(".pt"):
+            return CacheFacts()
+        stem = name[:-3]
+        if not SHA256_NAME.match(stem):
+            return CacheFacts(key="unhashed:" + _join(self.cache_folder, stem), naming="unhashed")
+        key = _join(self.cache_folder, stem)
+        found = self.naming.buckets.get(key)
+        if found is None:
+            return CacheFacts(key=key)
+        return CacheFacts(key=key, bucket=found[0], expected=found[1])
+

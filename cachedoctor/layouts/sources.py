@@ -1,0 +1,322 @@
+"""Config files read as the trainers read them, keeping the line of every key.
+
+JSON and TOML are parsed by the standard library (its error messages name the line and column);
+a second pass over the same text records where each key and list item starts. YAML comes from
+PyYAML's safe loader and its node marks. `config.env` files are parsed like SimpleTuner's
+`parse_env_file` (`export KEY=value`, quotes stripped). A file that does not parse is a
+TargetError naming the file, the place and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from cachedoctor.layouts.base import Origin, TargetError
+
+KINDS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".env": "env"}
+MAX_CONFIG_BYTES = 64 * 1024 * 1024
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    path: str  # absolute
+    kind: str  # json, toml, yaml, env
+    data: Any
+    lines: Mapping[Path_, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def line(self, *keys: str | int) -> int | None:
+        """The line of the key at `keys`, or of its nearest enclosing key or item."""
+        while keys:
+            found = self.lines.get(keys)
+            if found is not None:
+                return found
+            keys = keys[:-1]
+        return None
+
+    def origin(self, *keys: str | int) -> Origin:
+        return Origin(self.path, key_text(keys), self.line(*keys))
+
+
+def key_text(keys: Path_) -> str:
+    """("datasets", 0, "subsets", 1, "image_dir") -> "datasets[0].subsets[1].image_dir".
+
+    The index into a top-level list (SimpleTuner's datasets, OneTrainer's concepts) is left
+    out: the line already says which item, and the key reads as the user wrote it."""
+    if keys and isinstance(keys[0], int) and len(keys) > 1:
+        keys = keys[1:]
+    out = ""
+    for key in keys:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def kind_of(path: str) -> str | None:
+    name = os.path.basename(path).lower()
+    if name.endswith(".env") or name == "config.env":
+        return "env"
+    return KINDS.get(os.path.splitext(name)[1])
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise TargetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise TargetError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB: not a config file")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise TargetError(f"{path}: not UTF-8 text (byte {exc.start}): expected a config file") from None
+
+
+def load(path: str, kind: str | None = None) -> ConfigFile:
+    """Parse the config at `path` (its kind from the extension unless given)."""
+    path = os.path.abspath(path)
+    kind = kind or kind_of(path)
+    if kind is None:
+        raise TargetError(f"{path}: unknown config type: expected .json, .toml, .yaml or .env")
+    text = read_text(path)
+    data, lines = PARSERS[kind](text, path)
+    return ConfigFile(path, kind, data, MappingProxyType(lines))
+
+
+# -- JSON --------------------------------------------------------------------------------------
+
+
+def _json(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TargetError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg} "
+                          f"(line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise TargetError(f"{path}: not valid JSON: nested too deeply") from None
+    lines: dict[Path_, int] = {}
+    try:
+        _JsonLines(text, lines).value(0, ())
+    except (IndexError, ValueError, RecursionError):
+        lines.clear()  # positions are a nicety; the data is what matters
+    return data, lines
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null")
+
+
+class _JsonLines:
+    """Walks text that json.loads accepted and records where each key and item starts."""
+
+    def __init__(self, text: str, lines: dict[Path_, int]) -> None:
+        self.text, self.lines = text, lines
+        self.newlines = [m.start() for m in re.finditer("\n", text)]
+
+    def line_at(self, pos: int) -> int:
+        import bisect
+
+        return bisect.bisect_left(self.newlines, pos) + 1
+
+    def skip(self, pos: int) -> int:
+        return _WS.match(self.text, pos).end()  # type: ignore[union-attr]
+
+    def value(self, pos: int, path: Path_) -> int:
+        pos = self.skip(pos)
+        char = self.text[pos]
+        if char == "{":
+            pos = self.skip(pos + 1)
+            if self.text[pos] == "}":
+                return pos + 1
+            while True:
+                pos = self.skip(pos)
+                key, end = json.decoder.scanstring(self.text, pos + 1)
+                self.lines.setdefault((*path, key), self.line_at(pos))
+                pos = self.skip(end)  # at ':'
+                pos = self.value(pos + 1, (*path, key))
+                pos = self.skip(pos)
+                if self.text[pos] == "}":
+                    return pos + 1
+                pos += 1  # ','
+        if char == "[":
+            pos = self.skip(pos + 1)
+            if self.text[pos] == "]":
+                return pos + 1
+            index = 0
+            while True:
+                pos = self.skip(pos)
+                self.lines.setdefault((*path, index), self.line_at(pos))
+                pos = self.skip(self.value(pos, (*path, index)))
+                index += 1
+                if self.text[pos] == "]":
+                    return pos + 1
+                pos += 1
+        if char == '"':
+            return json.decoder.scanstring(self.text, pos + 1)[1]
+        match = _SCALAR.match(self.text, pos)
+        if match is None:
+            raise ValueError(pos)
+        return match.end()
+
+
+# -- TOML --------------------------------------------------------------------------------------
+
+_TOML_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_TOML_PART = r"(?:[A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*')"
+_TOML_KEY = re.compile(rf"^\s*({_TOML_PART}(?:\s*\.\s*{_TOML_PART})*)\s*=")
+
+
+def _toml(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line = re.search(r"line (\d+)", message)
+        where = f":{line.group(1)}" if line else ""
+        raise TargetError(f"{path}{where}: not valid TOML: {message}") from None
+    return data, _toml_lines(text)
+
+
+def _toml_parts(dotted: str) -> list[str]:
+    return [p.strip().strip("\"'") for p in re.findall(r"\"[^\"]*\"|'[^']*'|[^.]+", dotted)]
+
+
+def _toml_lines(text: str) -> dict[Path_, int]:
+    """Lines of table headers and keys (array-of-tables items get their index)."""
+    lines: dict[Path_, int] = {}
+    counts: dict[Path_, int] = {}  # array-of-tables path (with parent indices) -> items so far
+    table: Path_ = ()
+    in_string: str | None = None
+    depth = 0  # open brackets of a multi-line array value
+    for number, line in enumerate(text.splitlines(), 1):
+        if in_string:
+            if in_string in line:
+                in_string = None
+            continue
+        if depth > 0:
+            depth += _brackets(line)
+            continue
+        header = _TOML_HEADER.match(line)
+        if header:
+            parts = _toml_parts(header.group(2))
+            resolved: list[str | int] = []
+            # parents that are arrays of tables refer to their latest item
+            for part in parts[:-1]:
+                resolved.append(part)
+                key = tuple(resolved)
+                if key in counts:
+                    resolved.append(counts[key] - 1)
+            resolved.append(parts[-1])
+            if header.group(1) == "[[":
+                key = tuple(resolved)
+                counts[key] = counts.get(key, 0) + 1
+                for sub in [k for k in counts if len(k) > len(key) and k[: len(key)] == key]:
+                    del counts[sub]  # a new item starts its own sub-arrays
+                resolved.append(counts[key] - 1)
+            table = tuple(resolved)
+            lines.setdefault(table, number)
+            continue
+        key = _TOML_KEY.match(line)
+        if key:
+            lines.setdefault((*table, *_toml_parts(key.group(1))), number)
+            rest = line[key.end():]
+            for quote in ('"""', "'''"):
+                if rest.count(quote) == 1:
+                    in_string = quote
+            if in_string is None:
+                depth = max(0, _brackets(rest))
+    return lines
+
+
+def _brackets(text: str) -> int:
+    """Opened minus closed brackets and braces, outside strings and comments."""
+    text = re.sub(r"\"(?:[^\"\\]|\\.)*\"|'[^']*'", "", text).split("#", 1)[0]
+    return text.count("[") + text.count("{") - text.count("]") - text.count("}")
+
+
+# -- YAML --------------------------------------------------------------------------------------
+
+
+def _yaml(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise TargetError(f"{path}{where}: not valid YAML: {problem}") from None
+    except RecursionError:
+        raise TargetError(f"{path}: not valid YAML: nested too deeply") from None
+    lines: dict[Path_, int] = {}
+    if node is not None:
+        _yaml_lines(node, (), lines)
+    return data, lines
+
+
+def _yaml_lines(node: Any, path: Path_, lines: dict[Path_, int]) -> None:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                child = (*path, key.value)
+                lines.setdefault(child, key.start_mark.line + 1)
+                _yaml_lines(value, child, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            child = (*path, index)
+            lines.setdefault(child, item.start_mark.line + 1)
+            _yaml_lines(item, child, lines)
+
+
+# -- shell-style env files ---------------------------------------------------------------------
+
+
+def _env(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
+    data: dict[str, str] = {}
+    lines: dict[Path_, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").strip()
+        if "=" not in line:
+            continue  # SimpleTuner skips a malformed line with a warning
+        key, value = line.split("=", 1)
+        key, value = key.strip().removesuffix("+"), value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        data[key] = value
+        lines[(key,)] = number
+    return data, lines
+
+
+PARSERS = {"json": _json, "toml": _toml, "yaml": _yaml, "env": _env}
+
+
+def type_name(value: Any) -> str:
+    """How a config value's type reads in a message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__

@@ -1,0 +1,64 @@
+"""## What it does
+Reports a latent whose spatial size is not what its bucket needs: the bucket's pixel size
+divided by the VAE factor. The bucket size comes from the trainer: SimpleTuner's `target_size`
+in `aspect_ratio_bucket_metadata_<id>.json` (looked up by the sha256 of the image's stem),
+kohya's bucket for the image size in the npz name under the dataset's bucket settings,
+OneTrainer's `crop_resolution` in `aggregate.pt`, ai-toolkit's `crop_width`/`crop_height` in
+the safetensors header.
+
+## Why is this bad?
+The trainer does not check: kohya's `is_disk_cached_latents_expected` looks only for keys, and
+SimpleTuner trusts a file that exists. A latent made at another resolution (the config changed,
+the bucket settings changed, a file was copied from another run) is stacked with the right-sized
+latents of its bucket and training stops at `torch.stack`, or it trains on a wrongly scaled
+sample without a word.
+
+## Example
+```
+CD302 error train/10_person/img_0042_1024x0768_sdxl.npz
+      latent is 128x128 (h x w); bucket 1152x896 needs 112x144: it was encoded at another resolution
+```
+
+## Fix
+`cachedoctor fix` quarantines the file; `--reencode` encodes it again at the bucket's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.inventory import LATENT
+from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.summary import DatasetView
+
+
+def wrong(role: str, shape: tuple[int, ...] | None, expected: tuple[int, int] | None) -> bool:
+    return (role == LATENT and expected is not None and shape is not None and len(shape) >= 2
+            and tuple(shape[-2:]) != expected)
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    if not any(wrong(g.role, g.shape, g.expected) for g in view.tally()):
+        return
+    for s in view:
+        if not wrong(s.role, s.shape, s.expected):
+            continue
+        (h, w), (eh, ew) = s.shape[-2:], s.expected
+        yield RULE.finding(
+            s.path,
+            f"latent is {h}x{w} (h x w); bucket {s.bucket} needs {eh}x{ew}: it was encoded at "
+            "another resolution",
+            ctx, bucket=s.bucket, actual=[h, w], expected=[eh, ew], shape=list(s.shape),
+        )
+
+
+RULE = Rule(
+    code="CD302",
+    name="latent-size-mismatch",
+    severity=Severity.ERROR,
+    summary="a latent's spatial size is not its bucket's size / VAE factor (trainer metadata)",
+    doc=__doc__,
+    fix="quarantine",
+    check_dataset=check_dataset,
+)

@@ -1,0 +1,57 @@
+"""## What it does
+Reports images that have no cache entry where the trainer expects one, in a dataset whose cache
+already holds entries (an empty or absent cache is one the trainer has yet to build). Which
+images count is the trainer's call: SimpleTuner expects an entry for every image its bucket file
+lists (every image, before the first bucket scan) unless `vae_cache_ondemand` or
+`vae_cache_disable`; kohya for every image of a subset (`<stem>_<W>x<H>_<arch>.npz` or
+`<stem>.npz` beside it); OneTrainer for every image of an enabled concept (an entry in some
+`aggregate.pt`), unless it clears its cache at each start; ai-toolkit with
+`cache_latents_to_disk`, for every image (a `_latent_cache/<stem>_<hash>.safetensors` whose
+header names it).
+
+## Why is this bad?
+A partial cache is what a caching pass that died (out of memory, SimpleTuner #859), a cache
+cleared by another rank (`vae_cache_clear_each_epoch`, CD403), or a skipped discovery
+(`skip_file_discovery=vae`) leaves. SimpleTuner then stops mid-training with `Some images were
+not correctly cached during the VAE Cache operations`; other trainers encode on the fly, at the
+cost of a slow first epoch and a VAE kept in memory.
+
+## Example
+```
+CD404 error datasets/photos/beach_0042.png  no cached latent: 4c1f…9e.pt is missing from cache/vae/sdxl/photos
+```
+
+## Fix
+`cachedoctor fix --reencode` encodes the missing entries; or let the trainer's caching pass
+run again (with SimpleTuner, without `skip_file_discovery=vae`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity, display_path
+from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.summary import DatasetView
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    facts = ctx.facts
+    if facts is None or facts.cache_rebuilt_at_start or not view.has_cache_entries():
+        return
+    where = display_path(facts.latent_cache_dir) if facts.latent_cache_dir else "the cache"
+    for path, key in view.missing():
+        yield RULE.finding(path, f"no cached latent: {facts.naming.missing_text(path, where)}",
+                           ctx, key=key, expected_entry=facts.naming.expected_entry(path),
+                           cache_dir=facts.latent_cache_dir)
+
+
+RULE = Rule(
+    code="CD404",
+    name="missing-cache-entries",
+    severity=Severity.ERROR,
+    summary="images with no cache entry where the trainer expects one",
+    doc=__doc__,
+    fix="reencode",
+    check_dataset=check_dataset,
+)

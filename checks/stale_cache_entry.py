@@ -1,0 +1,62 @@
+"""## What it does
+Reports a cache entry whose source image was modified after the entry was written (by more
+than `tolerance-seconds`, default 2, for file systems that keep coarse times). Images and
+entries are paired by the trainer's naming.
+
+## Why is this bad?
+No trainer checks: SimpleTuner, kohya (`bmaltais/kohya_ss#1629`: an edited image keeps its old
+npz "when resolution remain same"), OneTrainer with `clear_cache_before_training` off, and
+ai-toolkit (whose hash covers sizes, not content) all reuse the old latent. The model trains on
+the picture as it was before the edit, or on a different picture that took the old one's name.
+
+## Example
+```
+CD406 warning cache/vae/sdxl/photos/4c1f…9e.pt
+      its image beach_0042.png was modified 3 h after this entry was written: the latent is of
+      the old picture
+```
+
+## Fix
+`cachedoctor fix` quarantines the entry; `--reencode` (or the trainer's next caching pass)
+encodes the image as it is now.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.summary import DatasetView
+from cachedoctor.units import age
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    facts = ctx.facts
+    if facts is None or facts.cache_rebuilt_at_start:
+        return
+    tolerance = float(RULE.setting(ctx, "tolerance-seconds"))
+    last = None
+    for path, mtime, image, image_mtime in view.stale(tolerance):
+        if path == last:
+            continue  # two images on one entry: CD407's
+        last = path
+        yield RULE.finding(
+            path,
+            f"its image {os.path.basename(image)} was modified {age(image_mtime - mtime)} after "
+            "this entry was written: the latent is of the old picture",
+            ctx, image=image, newer_by_seconds=round(image_mtime - mtime, 1),
+        )
+
+
+RULE = Rule(
+    code="CD406",
+    name="stale-cache-entry",
+    severity=Severity.WARNING,
+    summary="the source image is newer than its cache entry",
+    doc=__doc__,
+    fix="quarantine",
+    check_dataset=check_dataset,
+    settings={"tolerance-seconds": 2.0},
+)

@@ -1,0 +1,57 @@
+"""Configs with any value of any type in any place: a finding or a one-line TargetError, never a
+traceback (a seeded random walk over every trainer's JSON and YAML configs)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cachedoctor.fixtures.projects import aitoolkit, onetrainer, simpletuner
+from cachedoctor.layouts import TargetError
+
+from conftest import scan_paths
+
+VALUES = [None, True, 0, -1, 3.5, "", "{env:CACHEDOCTOR_TEST_UNSET}", "/", "../..", [], [1, "a"],
+          {}, {"a": [None]}, "\x00"]
+MUTATIONS = 25
+
+
+def mutate(obj: object, rng: random.Random, depth: int = 0) -> object:
+    if isinstance(obj, dict | list) and obj:
+        keys = list(obj) if isinstance(obj, dict) else list(range(len(obj)))
+        key = rng.choice(keys)
+        if rng.random() < 0.5 or depth > 4:
+            obj[key] = rng.choice(VALUES)
+        else:
+            mutate(obj[key], rng, depth + 1)
+    return obj
+
+
+@pytest.mark.parametrize("trainer", ["simpletuner", "onetrainer", "ai-toolkit"])
+def test_random_values_never_raise(trainer: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("CACHEDOCTOR_TEST_UNSET", raising=False)
+    module = {"simpletuner": simpletuner, "onetrainer": onetrainer, "ai-toolkit": aitoolkit}[trainer]
+    project = module.build(tmp_path / "p")
+    files = {
+        "simpletuner": [project.root / "config" / "multidatabackend.json", project.config],
+        "onetrainer": [project.config, project.root / "training_concepts" / "concepts.json"],
+        "ai-toolkit": [project.config],
+    }[trainer]
+    originals = {f: f.read_text() for f in files}
+    rng = random.Random(trainer)
+    for _ in range(MUTATIONS):
+        path = rng.choice(files)
+        if path.suffix == ".json":
+            path.write_text(json.dumps(mutate(json.loads(originals[path]), rng)))
+        else:
+            path.write_text(yaml.safe_dump(mutate(yaml.safe_load(originals[path]), rng)))
+        try:
+            scan_paths(project.config)
+        except TargetError as exc:
+            assert "\n" not in str(exc)
+        for original, text in originals.items():
+            original.write_text(text)

@@ -1,0 +1,221 @@
+"""OneTrainer, kohya and ai-toolkit configs read as each trainer reads them, and bare cache dirs
+that get a trainer's bucket semantics from their files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.fixtures import clean
+from cachedoctor.fixtures.latents import latent_batch, save_latent
+from cachedoctor.fixtures.projects import aitoolkit, kohya, onetrainer, simpletuner
+from cachedoctor.layouts import resolve
+from cachedoctor.layouts.kohya import Buckets
+
+from conftest import by_code, codes, scan_paths
+
+# -- OneTrainer ---------------------------------------------------------------------------------
+
+
+def test_onetrainer_layout(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot")
+    (layout,) = resolve([str(project.config)])
+    (dataset,) = layout.datasets
+    root = project.root
+    assert layout.base == str(root)  # the parent of training_presets/
+    assert dataset.id == "my_lora"
+    assert dataset.image_dirs == (str(root / "datasets" / "person"),)
+    assert dataset.latent_cache_dir == str(root / "workspace-cache" / "run" / "image")
+    assert dataset.expected_device == "cuda" and not dataset.cache_rebuilt_at_start
+    (entries,) = dataset.naming.aggregates.values()
+    assert entries[0] == (str(root / "datasets" / "person" / "img_000.png"), (128, 128))
+    assert str(root / "training_concepts" / "concepts.json") in layout.files
+
+
+def test_onetrainer_inline_concepts(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot")
+    concepts = json.loads((project.root / "training_concepts" / "concepts.json").read_text())
+    config = json.loads(project.config.read_text())
+    config.update(concepts=concepts, concept_file_name="nowhere.json")
+    project.config.write_text(json.dumps(config, indent=4))
+    assert [f for f in scan_paths(project.config).findings if f.severity >= 2] == []
+
+
+def test_onetrainer_missing_concept_file_is_cd408(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot")
+    (project.root / "training_concepts" / "concepts.json").unlink()
+    (finding,) = by_code(scan_paths(project.config), "CD408")
+    assert finding.details["key"] == "concept_file_name"
+    assert "OneTrainer's working dir" in finding.message
+
+
+def test_onetrainer_bare_cache_gets_crop_buckets(tmp_path: Path) -> None:
+    """A variation folder mixes crop sizes: with aggregate.pt, no CD301; a wrong one, CD302."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD302"])
+    cache = project.root / "workspace-cache" / "run"
+    report = scan_paths(cache)
+    assert report.trainers == ("bare",)
+    assert "CD301" not in codes(report)
+    assert len(by_code(report, "CD302")) == 3
+
+
+# -- kohya --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("settings", "size", "bucket"), [
+    # enable_bucket, resolution, min, max, steps, no_upscale; image (w, h) -> bucket (w, h)
+    ((True, (256, 256), 128, 512, 64, False), (256, 256), (256, 256)),
+    ((True, (256, 256), 128, 512, 64, False), (320, 192), (320, 192)),
+    ((True, (256, 256), 128, 512, 64, False), (1000, 600), (320, 192)),  # nearest aspect
+    ((True, (256, 256), 128, 512, 64, False), (600, 1000), (192, 320)),
+    ((False, (512, 384), 256, 1024, 64, False), (300, 900), (512, 384)),  # one fixed bucket
+    ((True, (256, 256), 128, 512, 64, True), (200, 130), (192, 128)),  # no upscale: cut to steps
+    ((True, (256, 256), 128, 512, 64, True), (1000, 500), (256, 128)),  # shrunk to the area
+])
+def test_kohya_bucket_selection(settings: tuple, size: tuple, bucket: tuple) -> None:
+    assert Buckets.make(*settings).select(*size) == bucket
+
+
+def test_kohya_predefined_buckets_for_256() -> None:
+    assert Buckets.make(True, (256, 256), 128, 512, 64, False).predefined == (
+        (128, 384), (128, 448), (128, 512), (192, 320), (256, 256), (320, 192), (384, 128),
+        (448, 128), (512, 128))
+
+
+def test_kohya_dataset_toml_scans_like_its_config_file(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k", defects=["CD302", "CD404"])
+    dataset_toml = project.root / "dataset.toml"
+    assert scan_paths(dataset_toml).findings == scan_paths(project.config).findings
+    (layout,) = resolve([str(dataset_toml)])
+    assert layout.source == str(project.config)
+
+
+def test_kohya_train_data_dir_folders(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k", defects=["CD404"])
+    (project.root / "config.toml").write_text(
+        '[dataset_arguments]\ntrain_data_dir = "train"\nresolution = "256,256"\n'
+        'enable_bucket = true\nmin_bucket_reso = 128\nmax_bucket_reso = 512\n')
+    (project.root / "dataset.toml").unlink()
+    (project.root / "train" / "no_repeats").mkdir()  # kohya ignores it
+    report = scan_paths(project.config)
+    assert report.datasets == ("10_person",)
+    assert [f.path for f in by_code(report, "CD404")] == [p for p, _ in project.expected["CD404"]]
+
+
+def test_kohya_caches_beside_images_are_by_design(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k")
+    report = scan_paths(project.config)
+    assert not codes(report) & {"CD401", "CD107"}
+    bare = scan_paths(project.root / "train" / "10_person")  # the image dir given alone
+    assert bare.findings == ()
+
+
+def test_kohya_subfolders_of_an_image_dir_are_not_read(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k")
+    folder = project.root / "train" / "10_person"
+    (folder / "old").mkdir()
+    shutil.copyfile(folder / "img_000.png", folder / "old" / "extra.png")
+    assert by_code(scan_paths(project.config), "CD404") == []
+
+
+# -- ai-toolkit ---------------------------------------------------------------------------------
+
+
+def test_aitoolkit_json_config_and_hidden_folders(tmp_path: Path) -> None:
+    import yaml
+
+    project = aitoolkit.build(tmp_path / "a")
+    folder = project.root / "datasets" / "person"
+    (folder / ".thumbs").mkdir()
+    shutil.copyfile(folder / "img_000.png", folder / ".thumbs" / "img_000.png")  # skipped
+    data = yaml.safe_load(project.config.read_text())
+    as_json = project.root / "config" / "person_lora.json"
+    as_json.write_text(json.dumps(data, indent=2))
+    project.config.unlink()
+    report = scan_paths(as_json)
+    assert report.trainers == ("ai-toolkit",)
+    assert report.findings == ()
+
+
+def test_aitoolkit_without_disk_cache_expects_none(tmp_path: Path) -> None:
+    project = aitoolkit.build(tmp_path / "a", defects=["CD404"])
+    project.config.write_text(project.config.read_text().replace(
+        "cache_latents_to_disk: true", "cache_latents_to_disk: false"))
+    assert by_code(scan_paths(project.config), "CD404") == []
+
+
+# -- bare directories ---------------------------------------------------------------------------
+
+
+def test_flat_simpletuner_cache_mixes_buckets_legitimately(tmp_path: Path) -> None:
+    project = simpletuner.build(tmp_path / "st")
+    cache = project.root / "output" / "models" / "cache" / "vae" / "sdxl" / "photos"
+    report = scan_paths(cache)
+    assert report.trainers == ("bare",) and report.findings == ()
+
+
+def test_bare_subfolders_are_buckets(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    clean.build(cache / "1024x1024", n=3)
+    odd = save_latent(cache / "1024x1024" / "odd.pt", latent_batch(1, (4, 64, 48))[0])
+    (finding,) = scan_paths(cache).findings
+    assert (finding.code, finding.path, finding.details["bucket"]) == ("CD301", str(odd),
+                                                                       "1024x1024")
+    assert "[4, 64, 64]" in finding.message  # names the majority shape
+
+
+def test_bare_aitoolkit_latent_cache_gets_header_buckets(tmp_path: Path) -> None:
+    project = aitoolkit.build(tmp_path / "a", defects=["CD302"])
+    report = scan_paths(project.root / "datasets" / "person" / "_latent_cache")
+    assert "CD301" not in codes(report)
+    assert len(by_code(report, "CD302")) == 3
+
+
+def test_folder_without_configs_is_a_bare_cache(tmp_path: Path) -> None:
+    clean.build(tmp_path / "cache", n=2)
+    (tmp_path / "cache" / "notes.json").write_text('{"not": "a trainer config"}')
+    (layout,) = resolve([str(tmp_path / "cache")])
+    assert layout.trainer == "bare"
+
+
+@pytest.mark.parametrize(("trainer", "file", "old", "new", "key"), [
+    ("kohya", "dataset.toml", "enable_bucket = true", 'enable_bucket = "yes"', "enable_bucket"),
+    ("onetrainer", "training_presets/my_lora.json", '"train_device": "cuda"',
+     '"train_device": 0', "train_device"),
+    ("onetrainer", "training_concepts/concepts.json", '"include_subdirectories": false',
+     '"include_subdirectories": []', "include_subdirectories"),
+    ("ai-toolkit", "config/person_lora.yaml", 'folder_path: "datasets/person"',
+     "folder_path: [1, 2]", "folder_path"),
+])
+def test_keys_of_the_wrong_type_are_cd409(trainer: str, file: str, old: str, new: str, key: str,
+                                         tmp_path: Path) -> None:
+    module = {"kohya": kohya, "onetrainer": onetrainer, "ai-toolkit": aitoolkit}[trainer]
+    project = module.build(tmp_path / "p")
+    path = project.root / file
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+    found = by_code(scan_paths(project.config), "CD409")
+    assert [(f.path, f.details["key"].split(".")[-1]) for f in found] == [(str(path), key)]
+    assert f"{key} is " in found[0].message and "expected" in found[0].message
+
+
+def test_kohya_datasets_that_are_no_tables_are_cd409(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k")
+    path = project.root / "dataset.toml"
+    path.write_text("datasets = 3\n[general]\nenable_bucket = true\n")
+    (finding,) = scan_paths(path).findings
+    assert (finding.code, finding.details["key"], finding.details["line"]) == ("CD409",
+                                                                               "datasets", 1)
+
+
+@pytest.mark.parametrize("trainer", ["simpletuner", "onetrainer", "kohya", "ai-toolkit"])
+def test_layouts_pickle_for_spawned_workers(trainer: str, tmp_path: Path) -> None:
+    import pickle
+
+    module = {"simpletuner": simpletuner, "onetrainer": onetrainer, "kohya": kohya,
+              "ai-toolkit": aitoolkit}[trainer]
+    layouts = resolve([str(module.build(tmp_path / "p", defects=["CD404"]).config)])
+    assert pickle.loads(pickle.dumps(layouts)) == layouts
