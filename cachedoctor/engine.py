@@ -86,13 +86,14 @@ def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _check_batch(batch, options, rules)
+        return _check_batch(batch, options, rules, datasets)
     finally:
         if collecting:
             gc.enable()
 
 
-def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule]) -> ChunkResult:
+def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
+                 datasets: Mapping[str, Dataset] | None) -> ChunkResult:
     findings: list[Finding] = []
     summaries = []
     paths: list[str] = []
