@@ -169,10 +169,10 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | Non
         rules = engine.selected_rules(sharded)
         phase = engine.check_all_files(layouts, sharded, rules)
         try:
-            rows = list(phase.store.rows())
+            rows, coverage = list(phase.store.rows()), list(phase.store.coverage_rows())
         finally:
             phase.store.close()
-        mine: tuple[Any, ...] = ("ok", phase.findings, rows, phase.files, phase.bytes)
+        mine: tuple[Any, ...] = ("ok", phase.findings, rows, coverage, phase.files, phase.bytes)
     except Exception as exc:
         error = exc
         mine = ("error", _portable(exc))
@@ -183,16 +183,12 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | Non
             raised = error if failed_rank == rank else shipped[1]
             raised.add_note(f"cachedoctor.preflight: raised on rank {failed_rank} of {world}")
             raise raised
-    store = SummaryStore()
-    try:
-        findings, files, nbytes = [], 0, 0
-        for _, rank_findings, rows, rank_files, rank_bytes in gathered:
-            findings.extend(rank_findings)
-            store.add_blobs(rows)
-            files += rank_files
-            nbytes += rank_bytes
-        findings.extend(engine.check_datasets(store, policy.options, rules))
-    finally:
-        store.close()
-    report = engine.build_report(targets, layouts, findings, files, nbytes, policy.options)
+    merged = engine.FilePhase([], 0, 0, SummaryStore())
+    for _, rank_findings, rows, coverage, rank_files, rank_bytes in gathered:
+        merged.findings.extend(rank_findings)
+        merged.store.add_blobs(rows)
+        merged.store.add_coverage(coverage)
+        merged.files += rank_files
+        merged.bytes += rank_bytes
+    report = engine.conclude(targets, layouts, policy.options, rules, merged)
     return (baseline.apply(report).report if baseline else report), policy

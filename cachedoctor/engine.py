@@ -243,7 +243,8 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
                     on_progress: Callable[[int], None] | None = None) -> FilePhase:
     phase = FilePhase([], 0, 0, SummaryStore())
     datasets = datasets_of(layouts)
-    for dataset in datasets.values():  # what the trainer's metadata lists, for CD405
+    listing = options.shard is None or options.shard[0] == 0  # sharded: rank 0 lists, once
+    for dataset in datasets.values() if listing else ():  # the trainer's metadata, for CD405
         phase.store.add_coverage([(dataset.id, LISTED_SIDE, None, path, 0.0, 0, None)
                                   for path in dataset.listed_images])
     for result in check_files(plan(layouts, options), options, rules, datasets):
@@ -298,6 +299,18 @@ def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list
     )
 
 
+def conclude(targets: tuple[str, ...], layouts: list[Layout], options: ScanOptions,
+             rules: list[Rule], phase: FilePhase) -> Report:
+    """The layout and dataset rules over a finished file phase (closing its store): the
+    report. A sharded preflight calls it with every rank's phase merged."""
+    try:
+        findings = [*check_layouts(layouts, options, rules), *phase.findings,
+                    *check_datasets(phase.store, options, rules, datasets_of(layouts))]
+    finally:
+        phase.store.close()
+    return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)
+
+
 def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
          on_start: Callable[[int | None], None] | None = None,
          on_progress: Callable[[int], None] | None = None) -> Report:
@@ -308,14 +321,8 @@ def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
     rules = selected_rules(options)
     if on_start is not None:
         on_start(count_files(layouts, options))
-    findings = check_layouts(layouts, options, rules)
     phase = check_all_files(layouts, options, rules, on_progress)
-    try:
-        findings += phase.findings + check_datasets(phase.store, options, rules,
-                                                    datasets_of(layouts))
-    finally:
-        phase.store.close()
-    return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)
+    return conclude(targets, layouts, options, rules, phase)
 
 
 def _with_severity(finding: Finding, options: ScanOptions) -> Finding:

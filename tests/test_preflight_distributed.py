@@ -44,10 +44,11 @@ def test_both_ranks_raise_with_the_same_findings_each_reading_half(ranks) -> Non
     assert rank0["message"] == rank1["message"]
     assert rank0["findings"] == rank1["findings"]
     found = {(code, Path(path).relative_to(cache).as_posix()) for code, path, _ in rank0["findings"]}
-    assert found == {("CD102", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"), ("CD502", "bucket")}
-    # each rank holds part of the bucket: only the gathered summaries count all five files
+    # CD502 looks across the dataset's whole cache: its path is the cache dir itself
+    assert found == {("CD102", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"), ("CD502", ".")}
+    # each rank holds part of the cache: only the gathered summaries count all nine latents
     (cd502,) = [message for code, _, message in rank0["findings"] if code == "CD502"]
-    assert cd502 == "files saved from different devices: cpu: 4 files, cuda:0: 1 file"
+    assert cd502 == "files saved from different devices: cpu: 8 files, cuda:0: 1 file"
     everything = {str(p) for p in cache.rglob("*") if p.is_file()}
     assert rank0["files"] == len(everything) == 10
     assert set(rank0["read"]) | set(rank1["read"]) == everything
@@ -61,3 +62,25 @@ def test_a_rank_that_fails_makes_every_rank_raise_its_error(ranks) -> None:
     name, message, notes = rank0["failure"]
     assert (name, message) == ("OSError", "[Errno 5] Input/output error")
     assert notes == ["cachedoctor.preflight: raised on rank 1 of 2"]
+
+
+def test_sharded_preflight_of_a_trainer_project_equals_the_local_scan(tmp_path: Path) -> None:
+    """Coverage (CD404/CD405/CD406) and config rules (CD403) need every rank's rows."""
+    from cachedoctor.fixtures.projects import simpletuner
+
+    from conftest import scan_paths
+
+    project = simpletuner.build(tmp_path / "project", ["CD403", "CD404", "CD405", "CD406"])
+    config = project.config
+    local = {(f.code, f.path, f.message) for f in scan_paths(config).findings}
+    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(rank), "2",
+                               str(tmp_path / "store"), str(config), str(tmp_path / f"rank{rank}.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert {"CD403", "CD404", "CD405", "CD406"} <= {code for code, _, _ in local}
+    for rank in seen:
+        assert {tuple(f) for f in rank["findings"]} == local
+    assert not set(seen[0]["read"]) & set(seen[1]["read"])
