@@ -7,6 +7,8 @@ On a terminal, many findings of one rule in one dataset collapse into one row wi
 from __future__ import annotations
 
 import itertools
+import os
+import shlex
 from typing import TextIO
 
 from cachedoctor.findings import Finding, Report, Severity, display_path, printable
@@ -109,4 +111,8 @@ def next_steps(report: Report) -> str:
         return ""
     codes = sorted({f.code for f in report.findings}, key=lambda c: (
         -max(f.severity for f in report.findings if f.code == c), c))
-    return f"Next: `cachedoctor explain {codes[0]}` says why it matters and how to fix it."
+    explain = f"`cachedoctor explain {codes[0]}` says why it matters"
+    if not any(f.fix for f in report.findings):
+        return f"Next: {explain} and how to fix it."
+    targets = " ".join(shlex.quote(display_path(t) if os.path.isabs(t) else t) for t in report.targets)
+    return f"Next: `cachedoctor fix {targets} --dry-run` shows the repair plan; {explain}."
