@@ -20,6 +20,7 @@ from cachedoctor.formats import (
     safetensors_header,
     torch_legacy,
     torch_zip,
+    zip_templates,
 )
 from cachedoctor.formats.meta import (
     EMPTY,
@@ -145,12 +146,24 @@ def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
 
 
 def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
+    # a small torch file laid out like one already read needs no directory parse (not --deep,
+    # which checks the CRCs a template leaves out)
+    whole = None if deep else src.buffer
+    seen = zip_templates.match(whole) if whole is not None else None
+    if seen is not None:
+        directory, prefix = seen
+        return torch_zip.read(src, path, deep, directory, prefix=prefix)
     try:
         directory = read_directory(src)
     except ZipError as exc:
         fmt = NPZ if extension_format(path) == NPZ else TORCH_ZIP
         return FileMeta(path, src.size, fmt, errors=(str(exc),))
     names = [e.name for e in directory.entries]
+    if whole is not None and names and names[0].endswith("/data.pkl"):
+        meta = torch_zip.read(src, path, deep, directory)
+        if meta.ok:
+            zip_templates.remember(whole, directory)
+        return meta
     if names and all(n.endswith(".npy") for n in names):
         return numpy_npz.read(src, path, deep, directory)
     if any(n.endswith("/data.pkl") or n == "data.pkl" for n in names) or extension_format(path) in (

@@ -57,10 +57,15 @@ def _parse(data: bytes, stored: tuple[tuple[str, int], ...]) -> _Parsed:
 _parse_cached = functools.lru_cache(maxsize=512)(_parse)
 
 
-def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta:
-    """Metadata of the torch zip file in `src`; never raises for bad input."""
+def read(src: Source, path: str, deep: bool, directory: ZipDirectory,
+         prefix: str | None = None) -> FileMeta:
+    """Metadata of the torch zip file in `src`; never raises for bad input.
+
+    `prefix`: the file's own archive prefix, when `directory` is another file's of the same
+    layout (zip_templates); it only shows in messages.
+    """
     try:
-        return _Reader(src, path, deep, directory).read()
+        return _Reader(src, path, deep, directory, prefix).read()
     except OSError:
         raise  # the dispatcher reports I/O failures as such
     except Exception as exc:  # malformed input that slipped past a check: still no traceback
@@ -69,8 +74,10 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
 
 
 class _Reader:
-    def __init__(self, src: Source, path: str, deep: bool, directory: ZipDirectory) -> None:
+    def __init__(self, src: Source, path: str, deep: bool, directory: ZipDirectory,
+                 own_prefix: str | None = None) -> None:
         self.src, self.path, self.deep, self.directory = src, path, deep, directory
+        self.own_prefix = own_prefix
         self.errors: list[str] = []
         self.notes: list[str] = []
         self.globals: list[str] = []
@@ -94,7 +101,8 @@ class _Reader:
         prefix = first[: slash + 1]
         cut = len(prefix)
         records = {e.name[cut:]: e for e in entries if e.name.startswith(prefix)}
-        prefix = clip(prefix)  # from here on, only for messages
+        # from here on, only for messages
+        prefix = clip(prefix if self.own_prefix is None else self.own_prefix + "/")
         pkl = records.get("data.pkl")
         if pkl is None:
             errors.append(f"the archive has no {prefix}data.pkl, which holds the saved object "
