@@ -62,10 +62,6 @@ class EntryFormat:
         for name in ("extras", "metadata"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
-    @property
-    def shape_of(self) -> str:
-        return f"[{'1, ' if self.batch_dim else ''}{self.channels or 'C'}, h, w]"
-
 
 @dataclass(frozen=True)
 class Geometry:
@@ -99,6 +95,13 @@ class EntrySpec:
     format: EntryFormat
     geometry: Geometry | None = None  # None: the image is encoded as it is
     latent_size: tuple[int, int] | None = None  # (h, w) the latent must have; None: any
+
+    @property
+    def shape(self) -> str:
+        """The stored latent's shape, as far as it is known: [4, 24, 16], [C, h, w]."""
+        fmt = self.format
+        h, w = self.latent_size or ("h", "w")
+        return f"[{'1, ' if fmt.batch_dim else ''}{fmt.channels or 'C'}, {h}, {w}]"
 
 
 class Entries:

@@ -21,8 +21,8 @@ from cachedoctor.fixtures.clean import aitoolkit_metadata, kohya_arrays
 from cachedoctor.fixtures.images import write_png
 from cachedoctor.fixtures.latents import TinyVAE, image_batch, latent_batch
 from cachedoctor.formats import read_path
-from cachedoctor.repair import build_plan, recover_caches, undo_run
 from cachedoctor.images import load as load_image
+from cachedoctor.repair import build_plan, recover_caches, undo_run
 from cachedoctor.repair.encoders import EncoderError, ReferenceEncoder, resolve
 from cachedoctor.repair.plan import QUARANTINE, REENCODE, Reencode
 from cachedoctor.repair.reencode import EntryFormat, NoFormat, ReencodeTarget, format_of, neighbour_format
