@@ -106,7 +106,7 @@ def test_an_entry_without_a_known_image_is_only_quarantined(tmp_path: Path) -> N
 
 
 def trainer_targets(tmp_path: Path) -> list[tuple[ReencodeTarget, object]]:
-    """Missing entries (CD404) of each trainer, as their layouts will describe them, with the
+    """Missing entries (CD404) of each trainer, as their layouts describe them, with the
     loading call the trainer uses."""
     image = str(images_for(tmp_path / "images", 1, seed=7)[0])
     stem = "img_000"
