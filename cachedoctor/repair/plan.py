@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
+from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Entries, EntryFormat, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.reencode import ReencodeTarget
@@ -35,8 +36,11 @@ QUARANTINE, COMPACT, TO_CPU, REENCODE = "quarantine", "compact", "to-cpu", "reen
 KINDS = (QUARANTINE, COMPACT, TO_CPU, REENCODE)  # the order a run applies them in
 REWRITES = frozenset({COMPACT, TO_CPU})
 # DESIGN.md §4's "quarantine (+ re-encode)": under --reencode these entries are encoded again.
-REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD406"})
+REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD303",
+                            "CD406"})
 RECENT = interrupted_write.RECENT_SECONDS  # a younger temp file may belong to a running writer
+NOT_A_LATENT = ("no re-encode: not a latent (text-encoder outputs need the text encoder: the "
+                "trainer's caching pass writes them again)")
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,9 @@ class _Reencodes:
         for action in self.quarantined:
             codes = tuple(c for c in action.codes if c in REENCODE_AFTER)
             if not codes:
+                continue
+            if classify(os.path.basename(action.path), os.path.dirname(action.path)) != LATENT:
+                self.notes.append(_skip(codes[0], action.path, NOT_A_LATENT))
                 continue
             finding = files[action.path][0]
             entries = self.entries(finding.dataset)
