@@ -247,6 +247,10 @@ class _Reencodes:
             if root is None:
                 self.notes.append(_skip(job.codes[0], job.path, "no re-encode: the entry would be "
                                         "outside the caches given"))
+            elif not os.path.isdir(os.path.dirname(job.path)):
+                # a run creates files only, so that undo leaves the tree exactly as it was
+                self.notes.append(_skip(job.codes[0], job.path, "no re-encode: its folder does not "
+                                        "exist yet (the trainer's caching pass creates it)"))
             elif os.path.lexists(job.path) and job.path not in self.leaving:
                 self.notes.append(_skip(job.codes[0], job.path, "no re-encode: the entry exists"))
             else:

@@ -267,3 +267,34 @@ def test_kohya_buckets_resize_to_cover_then_crop_in_the_centre(tmp_path: Path) -
     # get_crop_ltrb places the image as if fitted into the bucket (Stability AI's convention)
     assert spec.format.extras["crop_ltrb"].tolist() == [16, 0, 304, 192]
     assert spec.format.extras["crop_ltrb"].dtype == np.int64  # as its neighbours store it
+
+
+def test_text_encoder_outputs_are_quarantined_not_re_encoded(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path)
+    te = project.root / "train" / kohya.DATASET / "img_000_te_outputs.npz"
+    te.write_bytes(b"")  # CD102
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "no re-encode: not a latent (text-encoder outputs need the text encoder" in result.output
+    assert not te.exists() and "reencode" not in result.output.split("Run ")[-1]
+
+
+def test_a_new_entry_is_never_given_a_folder_of_its_own(tmp_path: Path) -> None:
+    from cachedoctor.fixtures.images import write_png
+    from cachedoctor.repair import build_plan
+    from cachedoctor.repair.encoders import ReferenceEncoder
+    from cachedoctor.repair.plan import Reencode
+    from cachedoctor.repair.reencode import EntryFormat, ReencodeTarget
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    image = write_png(tmp_path / "a.png", 64, 64)
+    target = ReencodeTarget(str(image), str(cache / "sub" / "a.pt"), EntryFormat("zip", None, "float16", 4))
+
+    plan = build_plan(scan_paths(cache), [str(cache)], Reencode(ReferenceEncoder(), targets=(target,)))
+
+    assert not plan.actions
+    [note] = plan.notes
+    assert note.skipped and "its folder does not exist yet" in note.message
