@@ -70,7 +70,7 @@ class Geometry:
     size: tuple[int, int]  # (w, h) of the image when the plan was made
     resize: tuple[int, int]  # (w, h)
     crop: tuple[int, int, int, int]  # (left, top, width, height) in the resized image
-    filter: str = "bilinear"  # how the trainer resamples (torch's nearest mode)
+    filter: str = "bilinear"  # the torch mode nearest to how the trainer resamples
 
     def __post_init__(self) -> None:
         left, top, width, height = self.crop

@@ -214,7 +214,7 @@ class _Reencodes:
         if dataset not in self._entries:
             found = self.reencode.datasets.get(dataset) if dataset is not None else None
             made = found.naming.entries(found, self.leaving) if found is not None else None
-            self._entries[dataset] = made or _BareEntries(self.reencode.sources, self.leaving)
+            self._entries[dataset] = made or _BareEntries(self.leaving)
         return self._entries[dataset]
 
     def actions(self, files: Mapping[str, list[Finding]], missing: list[Finding]) -> list[Action]:
@@ -241,9 +241,9 @@ class _Reencodes:
                 self.notes.append(_skip(finding.code, finding.path, f"no re-encode: {_reason(exc)}"))
         out: dict[str, Action] = {}
         for job in (*jobs, *self.reencode.targets):
-            root = root_of(job.path, self.roots)
             if job.path in out:
                 continue  # a quarantined entry and a missing one that the trainer names alike
+            root = root_of(job.path, self.roots)
             if root is None:
                 self.notes.append(_skip(job.codes[0], job.path, "no re-encode: the entry would be "
                                         "outside the caches given"))
@@ -265,12 +265,11 @@ def _reason(exc: Exception) -> str:
 
 
 class _BareEntries(Entries):
-    """A cache no trainer layout describes: images from `Reencode.sources`, the format of the
-    healthy single-latent files beside the entry."""
+    """A cache no trainer layout describes: images only from `Reencode.sources`, the format of
+    the healthy single-latent files beside the entry."""
 
-    def __init__(self, sources: Mapping[str, str], leaving: frozenset[str]) -> None:
+    def __init__(self, leaving: frozenset[str]) -> None:
         super().__init__(leaving)
-        self.sources = sources
         self.formats: dict[str, EntryFormat | NoSpec] = {}  # per dir
 
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
