@@ -24,7 +24,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,6 +40,7 @@ from cachedoctor.layouts.base import (
 )
 from cachedoctor.layouts.common import Problems, listdir, typed, unique, working_dir
 from cachedoctor.layouts.entries import (
+    Changes,
     Entries,
     EntryFormat,
     EntrySpec,
@@ -135,8 +136,8 @@ class AIToolkitNaming(Naming):
     root: str  # the dataset's folder_path; None-like "" for a bare cache
     expects_cache: bool = True
 
-    def entries(self, dataset: Dataset, leaving: Collection[str] = ()) -> Entries:
-        return _Entries(leaving)
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(changes)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
@@ -252,8 +253,8 @@ class _Entries(Entries):
     it is taken from the entry being replaced (when its header still fits the image) or from a
     healthy entry of an image of the same size; the hash in the name follows from the info."""
 
-    def __init__(self, leaving: Collection[str]) -> None:
-        super().__init__(leaving)
+    def __init__(self, changes: Changes) -> None:
+        super().__init__(changes)
         self._by_size: dict[str, dict[tuple[int, int], _Template]] = {}
         self._formats: dict[str, tuple | NoSpec] = {}
 
@@ -304,7 +305,7 @@ class _Entries(Entries):
 
         if latent_dir not in self._by_size:
             found: dict[tuple[int, int], _Template] = {}
-            for meta in healthy(latent_dir, ".safetensors", self.leaving):
+            for meta in healthy(latent_dir, ".safetensors", self.unlike):
                 template = _template(meta)
                 if template is None:
                     continue
@@ -323,7 +324,7 @@ class _Entries(Entries):
         if latent_dir not in self._formats:
             try:
                 dtype, channels, others = most_common(filter(None, (
-                    _latent_format(m) for m in healthy(latent_dir, ".safetensors", self.leaving))),
+                    _latent_format(m) for m in healthy(latent_dir, ".safetensors", self.unlike))),
                     "latent file")
                 if others:
                     raise NoSpec(f"its entries also hold {', '.join(others)}: cachedoctor makes "

@@ -15,14 +15,14 @@ CD409 report as findings pointing at the file and line; the rest of the config i
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta
 
 if TYPE_CHECKING:
-    from cachedoctor.layouts.entries import Entries
+    from cachedoctor.layouts.entries import Changes, Entries
 
 
 class TargetError(Exception):
@@ -135,10 +135,10 @@ class Naming:
         """What is missing for `image`, for CD404's message."""
         return f"expected {self.expected_entry(image)} in {cache_dir}"
 
-    def entries(self, dataset: Dataset, leaving: Collection[str] = ()) -> Entries | None:
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries | None:
         """How the trainer writes `dataset`'s entries, for `fix --reencode` (built at repair
-        time, never in the scan's workers); None where the layout cannot say. `leaving` are
-        entries the repair takes away."""
+        time, never in the scan's workers, knowing what the repair `changes` first); None where
+        the layout cannot say."""
         return None
 
 

@@ -27,7 +27,7 @@ ZIP, GZIP, LEGACY = "zip", "gzip", "legacy"  # torch containers: SimpleTuner wri
 TORCH_CONTAINERS = (ZIP, GZIP, LEGACY)
 CONTAINERS = (*TORCH_CONTAINERS, "safetensors", "npz")
 FILTERS = ("bilinear", "bicubic", "area")  # resampling, as torch's interpolate names it
-NEIGHBOURS_READ = 8  # healthy neighbours whose format is compared
+NEIGHBOURS_READ = 16  # healthy neighbours whose format is compared
 
 
 class NoSpec(Exception):
@@ -104,13 +104,25 @@ class EntrySpec:
         return f"[{'1, ' if fmt.batch_dim else ''}{fmt.channels or 'C'}, {h}, {w}]"
 
 
+@dataclass(frozen=True)
+class Changes:
+    """What a repair plan does to the caches before it writes new entries there."""
+
+    # entries it takes away whose format is not the trainer's (broken, hostile, of another VAE
+    # family): never copied. Entries taken away for their size or age still show the format.
+    unlike: frozenset[str] = frozenset()
+    to_cpu: frozenset[str] = frozenset()  # entries it rewrites with every tensor on the CPU
+
+
+NO_CHANGES = Changes()
+
+
 class Entries:
-    """A dataset's cache entries as its trainer names and writes them (the base: nothing known).
+    """A dataset's cache entries as its trainer names and writes them (the base: nothing known)."""
 
-    `leaving` are the entries the plan takes away: never a neighbour to learn the format from."""
-
-    def __init__(self, leaving: Collection[str] = ()) -> None:
-        self.leaving = frozenset(leaving)
+    def __init__(self, changes: Changes = NO_CHANGES) -> None:
+        self.changes = changes
+        self.unlike = changes.unlike
 
     def source(self, entry: str) -> str:
         """The image the entry at `entry` was encoded from."""

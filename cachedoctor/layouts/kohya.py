@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from cachedoctor.formats.meta import FileMeta
@@ -36,7 +35,7 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, unique
-from cachedoctor.layouts.entries import Entries, EntryFormat, EntrySpec, Geometry, NoSpec, healthy, most_common
+from cachedoctor.layouts.entries import Changes, Entries, EntryFormat, EntrySpec, Geometry, NoSpec, healthy, most_common
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
@@ -380,8 +379,8 @@ class KohyaNaming(Naming):
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
 
-    def entries(self, dataset: Dataset, leaving: Collection[str] = ()) -> Entries:
-        return _Entries(self, leaving)
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(self, changes)
 
     def expected_entry(self, image: str) -> str:
         stem = os.path.splitext(os.path.basename(image))[0]
@@ -435,8 +434,8 @@ class _Entries(Entries):
     The image is resized to cover its bucket (BucketManager.select_bucket) and cropped in the
     centre; crop_ltrb is get_crop_ltrb's, in the neighbours' dtype."""
 
-    def __init__(self, naming: KohyaNaming, leaving: Collection[str]) -> None:
-        super().__init__(leaving)
+    def __init__(self, naming: KohyaNaming, changes: Changes) -> None:
+        super().__init__(changes)
         self.naming = naming
         self._formats: dict[str, tuple | NoSpec] = {}
 
@@ -482,7 +481,7 @@ class _Entries(Entries):
         if directory not in self._formats:
             try:
                 found = most_common(filter(None, (_npz_format(m) for m in healthy(
-                    directory, ".npz", self.leaving))), "latent npz")
+                    directory, ".npz", self.unlike))), "latent npz")
                 others = {k for k, _ in found[4]} - MADE
                 if others:
                     raise NoSpec(f"its npz files also hold {', '.join(sorted(others))}: "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
@@ -41,6 +41,7 @@ from cachedoctor.layouts.base import (
 )
 from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
 from cachedoctor.layouts.entries import (
+    Changes,
     Entries,
     EntryFormat,
     EntrySpec,
@@ -261,8 +262,8 @@ class OneTrainerNaming(Naming):
     aggregates: Mapping[str, Samples]  # variation dir -> (image, crop) by sample index
     expects_cache: bool = True
 
-    def entries(self, dataset: Dataset, leaving: Collection[str] = ()) -> Entries:
-        return _Entries(self, leaving)
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(self, changes)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, area)
@@ -324,10 +325,11 @@ class _Entries(Entries):
     `original_resolution` (h, w) and `crop_offset` (y, x). The image is scaled to cover the
     sample's `crop_resolution` in aggregate.pt and cropped in the centre (mgds AspectBucketing,
     ScaleCropImage; with crop jitter OneTrainer draws the offset, the centre being one it can
-    draw). A sample keeps its number, so aggregate.pt stays as it is."""
+    draw). A sample keeps its number, so aggregate.pt stays as it is; it is saved on the device
+    its neighbours were saved from, unless the repair rewrites them on the CPU."""
 
-    def __init__(self, naming: OneTrainerNaming, leaving: Collection[str]) -> None:
-        super().__init__(leaving)
+    def __init__(self, naming: OneTrainerNaming, changes: Changes) -> None:
+        super().__init__(changes)
         self.naming = naming
         self._formats: dict[str, tuple | NoSpec] = {}
 
@@ -377,7 +379,7 @@ class _Entries(Entries):
         if folder not in self._formats:
             try:
                 found = most_common(filter(None, (_sample_format(m) for m in healthy(
-                    folder, ".pt", {*self.leaving, os.path.join(folder, "aggregate.pt")}))),
+                    folder, ".pt", {*self.unlike, os.path.join(folder, "aggregate.pt")}))),
                     "sample")
                 others = {k for k, _ in found[4]} - MADE
                 if others:
@@ -390,6 +392,8 @@ class _Entries(Entries):
         if isinstance(found, NoSpec):
             raise found
         container, dtype, channels, location, kinds = found
+        if any(os.path.dirname(p) == folder for p in self.changes.to_cpu):
+            location = "cpu"  # the repair stores the folder's samples on the CPU: so this one too
         return EntryFormat(container, LATENT_KEY, dtype, channels, location=location), dict(kinds)
 
 

@@ -40,7 +40,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,7 +55,7 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
-from cachedoctor.layouts.entries import Entries, EntrySpec, Geometry, NoSpec, neighbour_format
+from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
@@ -558,8 +558,8 @@ class SimpleTunerNaming(Naming):
 
     stem_collisions = True
 
-    def entries(self, dataset: Dataset, leaving: Collection[str] = ()) -> Entries:
-        return _Entries(self, leaving)
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(self, changes)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
@@ -612,8 +612,8 @@ class _Entries(Entries):
     bucket metadata's `intermediary_size` and cropped at `crop_coordinates` (top, left) to its
     `target_size` (image_manipulation/training_sample.py, cropping.py)."""
 
-    def __init__(self, naming: SimpleTunerNaming, leaving: Collection[str]) -> None:
-        super().__init__(leaving)
+    def __init__(self, naming: SimpleTunerNaming, changes: Changes) -> None:
+        super().__init__(changes)
         self.naming = naming
         self._images: dict[str, list[str]] | None = None
         self._metadata: dict[str, Any] | None = None
@@ -649,9 +649,9 @@ class _Entries(Entries):
             raise NoSpec(f"it is {size[0]}x{size[1]} now, {original[0]}x{original[1]} in "
                          "SimpleTuner's bucket metadata: let its aspect bucket scan run first")
         try:
-            fmt = neighbour_format(path, self.leaving)
+            fmt = neighbour_format(path, self.unlike)
         except NoSpec:
-            fmt = neighbour_format(os.path.join(naming.cache_root, "new.pt"), self.leaving)
+            fmt = neighbour_format(os.path.join(naming.cache_root, "new.pt"), self.unlike)
         geometry = Geometry(size, intermediary, (left, top, *target), "bicubic")
         return EntrySpec(image, path, replace(fmt, scaled=True), geometry,
                          geometry.latent_size(VAE_FACTOR))

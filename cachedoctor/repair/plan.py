@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
 from cachedoctor.inventory import LATENT, classify
-from cachedoctor.layouts.entries import Entries, EntryFormat, EntrySpec, NoSpec, neighbour_format
+from cachedoctor.layouts.entries import Changes, Entries, EntryFormat, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.reencode import ReencodeTarget
 
@@ -38,6 +38,8 @@ REWRITES = frozenset({COMPACT, TO_CPU})
 # DESIGN.md §4's "quarantine (+ re-encode)": under --reencode these entries are encoded again.
 REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD303",
                             "CD406"})
+# Entries quarantined for these are not stored as their trainer stores entries: never copied.
+UNLIKE = frozenset({"CD101", "CD102", "CD103", "CD105", "CD303"})
 RECENT = interrupted_write.RECENT_SECONDS  # a younger temp file may belong to a running writer
 NOT_A_LATENT = ("no re-encode: not a latent (text-encoder outputs need the text encoder: the "
                 "trainer's caching pass writes them again)")
@@ -208,13 +210,16 @@ class _Reencodes:
         self.reencode, self.roots, self.notes = reencode, roots, notes
         self.leaving = frozenset(a.path for a in actions if a.kind == QUARANTINE)
         self.quarantined = [a for a in actions if a.kind == QUARANTINE]
+        self.changes = Changes(
+            unlike=frozenset(a.path for a in self.quarantined if UNLIKE.intersection(a.codes)),
+            to_cpu=frozenset(a.path for a in actions if a.kind in REWRITES))
         self._entries: dict[str | None, Entries] = {}
 
     def entries(self, dataset: str | None) -> Entries:
         if dataset not in self._entries:
             found = self.reencode.datasets.get(dataset) if dataset is not None else None
-            made = found.naming.entries(found, self.leaving) if found is not None else None
-            self._entries[dataset] = made or _BareEntries(self.leaving)
+            made = found.naming.entries(found, self.changes) if found is not None else None
+            self._entries[dataset] = made or _BareEntries(self.changes)
         return self._entries[dataset]
 
     def actions(self, files: Mapping[str, list[Finding]], missing: list[Finding]) -> list[Action]:
@@ -268,8 +273,8 @@ class _BareEntries(Entries):
     """A cache no trainer layout describes: images only from `Reencode.sources`, the format of
     the healthy single-latent files beside the entry."""
 
-    def __init__(self, leaving: frozenset[str]) -> None:
-        super().__init__(leaving)
+    def __init__(self, changes: Changes) -> None:
+        super().__init__(changes)
         self.formats: dict[str, EntryFormat | NoSpec] = {}  # per dir
 
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
@@ -278,7 +283,7 @@ class _BareEntries(Entries):
         directory = os.path.dirname(replacing)
         if directory not in self.formats:
             try:
-                self.formats[directory] = neighbour_format(replacing, exclude=self.leaving)
+                self.formats[directory] = neighbour_format(replacing, exclude=self.unlike)
             except NoSpec as exc:
                 self.formats[directory] = exc
         found = self.formats[directory]
