@@ -48,6 +48,7 @@ from cachedoctor.layouts.entries import (
     NoSpec,
     healthy,
     most_common,
+    only,
 )
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
@@ -255,8 +256,6 @@ class _Entries(Entries):
 
     def __init__(self, changes: Changes) -> None:
         super().__init__(changes)
-        self._by_size: dict[str, dict[tuple[int, int], _Template]] = {}
-        self._formats: dict[str, tuple | NoSpec] = {}
 
     def source(self, entry: str) -> str:
         parent = os.path.dirname(os.path.dirname(entry))
@@ -301,46 +300,38 @@ class _Entries(Entries):
 
     def _same_size(self, latent_dir: str) -> dict[tuple[int, int], _Template]:
         """Image size -> the info of a healthy entry of an image of that size."""
-        from cachedoctor import images
-
-        if latent_dir not in self._by_size:
-            found: dict[tuple[int, int], _Template] = {}
-            for meta in healthy(latent_dir, ".safetensors", self.unlike):
-                template = _template(meta)
-                if template is None:
-                    continue
-                try:
-                    size = images.size(os.path.join(os.path.dirname(latent_dir),
-                                                    template.info["filename"]))
-                except (OSError, ValueError):
-                    continue
-                if _fits(template.info, size):
-                    found.setdefault(size, template)
-            self._by_size[latent_dir] = found
-        return self._by_size[latent_dir]
+        return self.once(("sizes", latent_dir), lambda: _templates_by_size(latent_dir, self.unlike))
 
     def _format(self, latent_dir: str) -> tuple[str, int]:
         """(dtype, channels) of the `latent` most healthy entries share."""
-        if latent_dir not in self._formats:
-            try:
-                dtype, channels, others = most_common(filter(None, (
-                    _latent_format(m) for m in healthy(latent_dir, ".safetensors", self.unlike))),
-                    "latent file")
-                if others:
-                    raise NoSpec(f"its entries also hold {', '.join(others)}: cachedoctor makes "
-                                 "the latent alone")
-                self._formats[latent_dir] = (dtype, channels)
-            except NoSpec as exc:
-                self._formats[latent_dir] = exc
-        found = self._formats[latent_dir]
-        if isinstance(found, NoSpec):
-            raise found
-        return found
+        dtype, channels, others = self.once(latent_dir, lambda: most_common(filter(None, (
+            _latent_format(m) for m in healthy(latent_dir, ".safetensors", self.unlike))),
+            "latent file"))
+        only(others, {"latent"}, "entries")
+        return dtype, channels
+
+
+def _templates_by_size(latent_dir: str, unlike: frozenset[str]) -> dict[tuple[int, int], _Template]:
+    """(width, height) of an image -> a healthy entry's template that fits images of that size."""
+    from cachedoctor import images
+
+    found: dict[tuple[int, int], _Template] = {}
+    for meta in healthy(latent_dir, ".safetensors", unlike):
+        template = _template(meta)
+        if template is None:
+            continue
+        try:
+            size = images.size(os.path.join(os.path.dirname(latent_dir), template.info["filename"]))
+        except (OSError, ValueError):
+            continue
+        if _fits(template.info, size):
+            found.setdefault(size, template)
+    return found
 
 
 def _latent_format(meta: FileMeta) -> tuple | None:
     latent = next((t for t in meta.tensors if t.path == ("latent",)), None)
     if latent is None or len(latent.shape) != 3:
         return None
-    others = tuple(sorted(str(t.path[0]) for t in meta.tensors if t.path != ("latent",)))
+    others = tuple(sorted(str(t.path[0]) for t in meta.tensors if t.path))
     return latent.dtype, latent.shape[0], others

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from cachedoctor.formats import read_path
 from cachedoctor.formats.meta import NPZ, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileMeta
@@ -28,6 +28,7 @@ TORCH_CONTAINERS = (ZIP, GZIP, LEGACY)
 CONTAINERS = (*TORCH_CONTAINERS, "safetensors", "npz")
 FILTERS = ("bilinear", "bicubic", "area")  # resampling, as torch's interpolate names it
 NEIGHBOURS_READ = 16  # healthy neighbours whose format is compared
+T = TypeVar("T")
 
 
 class NoSpec(Exception):
@@ -123,6 +124,19 @@ class Entries:
     def __init__(self, changes: Changes = NO_CHANGES) -> None:
         self.changes = changes
         self.unlike = changes.unlike
+        self._known: dict[Any, Any] = {}
+
+    def once(self, key: Any, find: Callable[[], T]) -> T:
+        """`find()` once per key (a folder's format, say); the NoSpec it raised is raised again."""
+        if key not in self._known:
+            try:
+                self._known[key] = find()
+            except NoSpec as exc:
+                self._known[key] = exc
+        found = self._known[key]
+        if isinstance(found, NoSpec):
+            raise found
+        return found
 
     def source(self, entry: str) -> str:
         """The image the entry at `entry` was encoded from."""
@@ -208,7 +222,15 @@ def neighbour_format(path: str, exclude: Collection[str] = ()) -> EntryFormat:
     return found.most_common(1)[0][0]
 
 
-def most_common(values: Iterator[Any], what: str) -> Any:
+def only(held: Iterable[str], made: Collection[str], entries: str) -> None:
+    """NoSpec unless the entries hold nothing beside what cachedoctor makes."""
+    others = sorted(set(held) - set(made))
+    if others:
+        raise NoSpec(f"its {entries} also hold {', '.join(others)}: cachedoctor makes "
+                     f"{', '.join(sorted(made))} only")
+
+
+def most_common(values: Iterable[Any], what: str) -> Any:
     """The value most of the first NEIGHBOURS_READ `values` share; NoSpec naming `what` if none."""
     found: collections.Counter[Any] = collections.Counter()
     for value in values:

@@ -35,7 +35,17 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, unique
-from cachedoctor.layouts.entries import Changes, Entries, EntryFormat, EntrySpec, Geometry, NoSpec, healthy, most_common
+from cachedoctor.layouts.entries import (
+    Changes,
+    Entries,
+    EntryFormat,
+    EntrySpec,
+    Geometry,
+    NoSpec,
+    healthy,
+    most_common,
+    only,
+)
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
@@ -437,7 +447,6 @@ class _Entries(Entries):
     def __init__(self, naming: KohyaNaming, changes: Changes) -> None:
         super().__init__(changes)
         self.naming = naming
-        self._formats: dict[str, tuple | NoSpec] = {}
 
     def source(self, entry: str) -> str:
         directory, name = os.path.split(entry)
@@ -478,21 +487,10 @@ class _Entries(Entries):
     def _format(self, directory: str) -> tuple:
         """(arch, multi-resolution keys, latent dtype, channels, {value: dtype}) most healthy
         latent npz files of the folder share."""
-        if directory not in self._formats:
-            try:
-                found = most_common(filter(None, (_npz_format(m) for m in healthy(
-                    directory, ".npz", self.unlike))), "latent npz")
-                others = {k for k, _ in found[4]} - MADE
-                if others:
-                    raise NoSpec(f"its npz files also hold {', '.join(sorted(others))}: "
-                                 "cachedoctor makes latents, original_size and crop_ltrb")
-                self._formats[directory] = (*found[:4], dict(found[4]))
-            except NoSpec as exc:
-                self._formats[directory] = exc
-        found = self._formats[directory]
-        if isinstance(found, NoSpec):
-            raise found
-        return found
+        found = self.once(directory, lambda: most_common(filter(None, (
+            _npz_format(m) for m in healthy(directory, ".npz", self.unlike))), "latent npz"))
+        only((k for k, _ in found[4]), {"latents", *MADE}, "npz files")
+        return (*found[:4], dict(found[4]))
 
 
 def _npz_format(meta: FileMeta) -> tuple | None:

@@ -50,6 +50,7 @@ from cachedoctor.layouts.entries import (
     container_of,
     healthy,
     most_common,
+    only,
 )
 from cachedoctor.layouts.paths import canonical, resolve
 from cachedoctor.layouts.sources import ConfigFile
@@ -331,7 +332,6 @@ class _Entries(Entries):
     def __init__(self, naming: OneTrainerNaming, changes: Changes) -> None:
         super().__init__(changes)
         self.naming = naming
-        self._formats: dict[str, tuple | NoSpec] = {}
 
     def _sample(self, entry: str) -> tuple[str, tuple[int, int] | None]:
         folder, name = os.path.split(entry)
@@ -376,21 +376,9 @@ class _Entries(Entries):
     def _format(self, folder: str) -> tuple[EntryFormat, dict[str, str]]:
         """The container, dtype, channels and device most healthy samples of the folder share,
         and the type (tuple, list) of each value they hold beside the latent."""
-        if folder not in self._formats:
-            try:
-                found = most_common(filter(None, (_sample_format(m) for m in healthy(
-                    folder, ".pt", {*self.unlike, os.path.join(folder, "aggregate.pt")}))),
-                    "sample")
-                others = {k for k, _ in found[4]} - MADE
-                if others:
-                    raise NoSpec(f"its samples also hold {', '.join(sorted(others))}: cachedoctor "
-                                 "makes latent_image, original_resolution and crop_offset")
-                self._formats[folder] = found
-            except NoSpec as exc:
-                self._formats[folder] = exc
-        found = self._formats[folder]
-        if isinstance(found, NoSpec):
-            raise found
+        found = self.once(folder, lambda: most_common(filter(None, (_sample_format(m) for m in healthy(
+            folder, ".pt", {*self.unlike, os.path.join(folder, "aggregate.pt")}))), "sample"))
+        only((k for k, _ in found[4]), {LATENT_KEY, *MADE}, "samples")
         container, dtype, channels, location, kinds = found
         if any(os.path.dirname(p) == folder for p in self.changes.to_cpu):
             location = "cpu"  # the repair stores the folder's samples on the CPU: so this one too

@@ -649,9 +649,10 @@ class _Entries(Entries):
             raise NoSpec(f"it is {size[0]}x{size[1]} now, {original[0]}x{original[1]} in "
                          "SimpleTuner's bucket metadata: let its aspect bucket scan run first")
         try:
-            fmt = neighbour_format(path, self.unlike)
-        except NoSpec:
-            fmt = neighbour_format(os.path.join(naming.cache_root, "new.pt"), self.unlike)
+            fmt = self.once(os.path.dirname(path), lambda: neighbour_format(path, self.unlike))
+        except NoSpec:  # a sub-folder with no healthy entry yet: the cache's own format
+            root = os.path.join(naming.cache_root, "new.pt")
+            fmt = self.once(naming.cache_root, lambda: neighbour_format(root, self.unlike))
         geometry = Geometry(size, intermediary, (left, top, *target), "bicubic")
         return EntrySpec(image, path, replace(fmt, scaled=True), geometry,
                          geometry.latent_size(VAE_FACTOR))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
 from cachedoctor.inventory import LATENT, classify
-from cachedoctor.layouts.entries import Changes, Entries, EntryFormat, EntrySpec, NoSpec, neighbour_format
+from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.reencode import ReencodeTarget
 
@@ -273,20 +273,9 @@ class _BareEntries(Entries):
     """A cache no trainer layout describes: images only from `Reencode.sources`, the format of
     the healthy single-latent files beside the entry."""
 
-    def __init__(self, changes: Changes) -> None:
-        super().__init__(changes)
-        self.formats: dict[str, EntryFormat | NoSpec] = {}  # per dir
-
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
         if replacing is None:
             raise NoSpec("a bare cache: give the trainer's config, whose layout names the entry")
-        directory = os.path.dirname(replacing)
-        if directory not in self.formats:
-            try:
-                self.formats[directory] = neighbour_format(replacing, exclude=self.unlike)
-            except NoSpec as exc:
-                self.formats[directory] = exc
-        found = self.formats[directory]
-        if isinstance(found, NoSpec):
-            raise found
+        found = self.once(os.path.dirname(replacing),
+                          lambda: neighbour_format(replacing, exclude=self.unlike))
         return EntrySpec(image, replacing, found)
