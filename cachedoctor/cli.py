@@ -15,7 +15,7 @@ from cachedoctor.harness.cli import harness_app
 
 if TYPE_CHECKING:
     from cachedoctor.options import ScanOptions
-    from cachedoctor.repair.encoders import Encoder
+    from cachedoctor.repair.plan import Reencode
     from cachedoctor.rule import Rule
 
 app = typer.Typer(
@@ -275,9 +275,11 @@ def fix(
     """
     from cachedoctor.layouts import TargetError, resolve
     from cachedoctor.repair.caches import cache_roots
+    from cachedoctor.repair.plan import Reencode
 
     try:
-        roots = cache_roots(resolve(targets)) if targets else None
+        layouts = resolve(targets) if targets else []
+        roots = cache_roots(layouts) if targets else None
     except (TargetError, ValueError) as exc:
         raise fail(str(exc)) from None
     if list_runs:
@@ -306,10 +308,11 @@ def fix(
     if not dry_run and not yes and not sys.stdin.isatty():
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
-    raise typer.Exit(_fix(targets, roots, options, chosen, dry_run, yes, wait, verbose))
+    reencoding = Reencode.of(chosen, layouts) if chosen is not None else None
+    raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose))
 
 
-def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encoder: Encoder | None,
+def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reencode: Reencode | None,
          dry_run: bool, yes: bool, wait: float, verbose: bool) -> int:
     import contextlib
 
@@ -318,7 +321,6 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encod
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
     from cachedoctor.repair.lock import LockBusy, locked
-    from cachedoctor.repair.plan import Reencode
     from cachedoctor.repair.render import render_plan, render_result
 
     try:
@@ -330,7 +332,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, encod
             else:
                 _pending_notes(roots)
             report = run_scan(targets, options)
-            plan = build_plan(report, roots, Reencode(encoder) if encoder else None)
+            plan = build_plan(report, roots, reencode)
             render_plan(plan, sys.stdout, verbose=verbose)
             if not plan.actions:
                 typer.echo("Nothing to fix.")

@@ -22,8 +22,11 @@ CD404 error datasets/photos/beach_0042.png  no cached latent: 4c1f…9e.pt is mi
 ```
 
 ## Fix
-`cachedoctor fix --reencode` encodes the missing entries; or let the trainer's caching pass
-run again (with SimpleTuner, without `skip_file_discovery=vae`).
+`cachedoctor fix CONFIG --reencode --encoder SPEC` encodes the missing entries in the trainer's
+own naming, bucket and format (SimpleTuner, kohya, ai-toolkit); or let the trainer's caching
+pass run again (with SimpleTuner, without `skip_file_discovery=vae`). OneTrainer pairs image and
+text cache entries by sample number, so a missing sample needs its caching pass: clear that
+concept's cache.
 """
 
 from __future__ import annotations

@@ -112,11 +112,29 @@ def render_text(result: Result) -> str:
     else:
         lines.append(f"  fixed    {'yes' if result.fixed else 'NO'}"
                      + (f" ({_clip(result.failure)})" if result.failure else ""))
+        lines += [_repair_line(step) for step in result.details.get("repairs", ())]
         clean = not set(result.expected_codes) & set(result.codes)
         lines.append(f"  scan     {codes} ({'clean of' if clean else 'STILL REPORTS'} {expected})")
     loss = f", loss {result.loss:.4f}" if result.loss is not None else ""
     lines.append(f"  trained  {'yes' if result.trained else 'no'}{loss}")
     return "\n".join(lines)
+
+
+def _repair_line(step: dict) -> str:
+    """One repair of a verify run: what it did, whether the tensors came out bit-identical,
+    what a scan then said (the fix) and the training loss on the repaired cache."""
+    did = ", ".join(f"{kind} {n}" for kind, n in step.get("actions", {}).items())
+    parts = ["tensors bit-identical" if step.get("tensors_identical") else "TENSORS DIFFER"]
+    if "ratio" in step:
+        parts.append(f"x{step['ratio']:.1f} storage per latent")
+    if "codes_after" in step:
+        parts.append(f"scan {', '.join(step['codes_after']) or 'clean'}")
+    if step.get("failed"):
+        parts.append(f"{len(step['failed'])} FAILED")
+    losses = step.get("losses") or []
+    if losses:
+        parts.append(f"loss {losses[0]:.4f}")
+    return f"  repair   {step.get('how')}{f' ({did})' if did else ''}: {', '.join(parts)}"
 
 
 def _clip(text: str | None) -> str:

@@ -18,9 +18,17 @@ Caches beside the images are by design (no CD401).
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import math
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+from cachedoctor.formats import read_path
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import (
     CacheFacts,
@@ -31,6 +39,17 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, typed, unique, working_dir
+from cachedoctor.layouts.entries import (
+    Changes,
+    Entries,
+    EntryFormat,
+    EntrySpec,
+    Geometry,
+    NoSpec,
+    healthy,
+    most_common,
+    only,
+)
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 
@@ -118,6 +137,8 @@ class AIToolkitNaming(Naming):
     root: str  # the dataset's folder_path; None-like "" for a bare cache
     expects_cache: bool = True
 
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(changes)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
@@ -166,3 +187,151 @@ def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:
     family = info.get("latent_space_version")
     expected = (height // 8, width // 8) if family in FACTOR_8 else None
     return CacheFacts(key=key, bucket=f"{width}x{height}", expected=expected, family=family)
+
+
+# -- entries (fix --reencode) ------------------------------------------------------------------
+
+HASHED_NAME = re.compile(r"^(?P<stem>.+)_(?P<hash>[A-Za-z0-9_-]{22})\.safetensors$")
+STRINGS = frozenset({"filename", "latent_space_version"})  # info values that are strings
+HEADER_ONLY = frozenset({"software", "format"})  # metadata.py adds these beside the info dict
+
+
+def latent_hash(info: Mapping[str, Any]) -> str:
+    """The `<hash>` of `<stem>_<hash>.safetensors`: urlsafe base64 of the md5 of the latent info
+    dict's sorted JSON, without padding (dataloader_mixins.py `get_latent_path`)."""
+    digest = hashlib.md5(json.dumps(dict(info), sort_keys=True).encode("utf-8")).digest()
+    return base64.urlsafe_b64encode(digest).decode("ascii").replace("=", "")
+
+
+class _Template(NamedTuple):
+    """An entry's latent info dict (as ai-toolkit hashed it) and its header metadata."""
+
+    info: dict[str, Any]
+    metadata: dict[str, str]
+
+
+def _template(meta: FileMeta) -> _Template | None:
+    """The info dict a header holds, when hashing it gives the file's own name (so it is
+    rebuilt exactly: strings, numbers and flags as ai-toolkit had them); else None."""
+    match = HASHED_NAME.match(os.path.basename(meta.path))
+    metadata = dict(meta.metadata)
+    if match is None or not metadata.get("filename"):
+        return None
+    info: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if key in HEADER_ONLY:
+            continue
+        try:
+            info[key] = value if key in STRINGS else json.loads(value)
+        except ValueError:
+            info[key] = value
+    geometry = [info.get(k) for k in ("scale_to_width", "scale_to_height", "crop_x", "crop_y",
+                                      "crop_width", "crop_height")]
+    if latent_hash(info) != match["hash"] or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in geometry):
+        return None
+    return _Template(info, metadata)
+
+
+def _fits(info: Mapping[str, Any], size: tuple[int, int]) -> bool:
+    """Whether ai-toolkit's scale and crop of an info dict are what it computes for an image of
+    `size` in the same bucket (BucketsMixin.setup_buckets): scaled up to cover the crop, the
+    crop inside (in the centre, or anywhere with random_crop)."""
+    width, height = size
+    crop_w, crop_h = info["crop_width"], info["crop_height"]
+    scale = max(crop_w / width, crop_h / height)
+    scaled = (math.ceil(width * scale), math.ceil(height * scale))
+    return (info["scale_to_width"], info["scale_to_height"]) == scaled and crop_w > 0 \
+        and crop_h > 0 and 0 <= info["crop_x"] <= scaled[0] - crop_w \
+        and 0 <= info["crop_y"] <= scaled[1] - crop_h
+
+
+class _Entries(Entries):
+    """ai-toolkit's latent cache (dataloader_mixins.py `LatentCachingMixin`):
+    `<image dir>/_latent_cache/<stem>_<hash>.safetensors`, a `latent` tensor (scaled and shifted,
+    in the model's dtype) and the latent info dict in the header. ai-toolkit's bucket of an image
+    (its scale_to_* and crop_*) depends on the image's size and the dataset's settings only, so
+    it is taken from the entry being replaced (when its header still fits the image) or from a
+    healthy entry of an image of the same size; the hash in the name follows from the info."""
+
+    def __init__(self, changes: Changes) -> None:
+        super().__init__(changes)
+
+    def source(self, entry: str) -> str:
+        parent = os.path.dirname(os.path.dirname(entry))
+        filename = read_path(entry).metadata.get("filename")
+        if filename and os.path.basename(filename) == filename \
+                and os.path.isfile(os.path.join(parent, filename)):
+            return os.path.join(parent, filename)
+        match = HASHED_NAME.match(os.path.basename(entry))
+        found = [n for n in listdir(parent) if n.lower().endswith(IMAGE_EXTENSIONS)
+                 and match is not None and os.path.splitext(n)[0] == match["stem"]]
+        if len(found) != 1:
+            raise NoSpec("no image of its name beside its _latent_cache" if not found else
+                         f"{' and '.join(found)} share its name: rename one")
+        return os.path.join(parent, found[0])
+
+    def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
+        from cachedoctor import images
+
+        size = images.size(image)
+        latent_dir = os.path.join(os.path.dirname(image), LATENT_DIR)
+        template = _template(read_path(replacing)) if replacing is not None else None
+        if template is None or not _fits(template.info, size):
+            template = self._same_size(latent_dir).get(size)
+        if template is None:
+            raise NoSpec(f"no healthy entry of a {size[0]}x{size[1]} image beside it to take "
+                         "ai-toolkit's bucket (scale and crop) from")
+        name = os.path.basename(image)
+        info = {**template.info, "filename": name}
+        family = info.get("latent_space_version")
+        if family not in FACTOR_8:
+            raise NoSpec(f"latent_space_version {family!r}: cachedoctor knows the VAE factor of "
+                         f"{', '.join(sorted(FACTOR_8))}")
+        dtype, channels = self._format(latent_dir)
+        stem = os.path.splitext(name)[0]
+        path = os.path.join(latent_dir, f"{stem}_{latent_hash(info)}.safetensors")
+        geometry = Geometry(size, (info["scale_to_width"], info["scale_to_height"]),
+                            (info["crop_x"], info["crop_y"], info["crop_width"],
+                             info["crop_height"]), "bicubic")
+        fmt = EntryFormat("safetensors", "latent", dtype, channels, scaled=True,
+                          metadata={**template.metadata, "filename": name})
+        return EntrySpec(image, path, fmt, geometry, geometry.latent_size(8))
+
+    def _same_size(self, latent_dir: str) -> dict[tuple[int, int], _Template]:
+        """Image size -> the info of a healthy entry of an image of that size."""
+        return self.once(("sizes", latent_dir), lambda: _templates_by_size(latent_dir, self.unlike))
+
+    def _format(self, latent_dir: str) -> tuple[str, int]:
+        """(dtype, channels) of the `latent` most healthy entries share."""
+        dtype, channels, others = self.once(latent_dir, lambda: most_common(filter(None, (
+            _latent_format(m) for m in healthy(latent_dir, ".safetensors", self.unlike))),
+            "latent file"))
+        only(others, {"latent"}, "entries")
+        return dtype, channels
+
+
+def _templates_by_size(latent_dir: str, unlike: frozenset[str]) -> dict[tuple[int, int], _Template]:
+    """(width, height) of an image -> a healthy entry's template that fits images of that size."""
+    from cachedoctor import images
+
+    found: dict[tuple[int, int], _Template] = {}
+    for meta in healthy(latent_dir, ".safetensors", unlike):
+        template = _template(meta)
+        if template is None:
+            continue
+        try:
+            size = images.size(os.path.join(os.path.dirname(latent_dir), template.info["filename"]))
+        except (OSError, ValueError):
+            continue
+        if _fits(template.info, size):
+            found.setdefault(size, template)
+    return found
+
+
+def _latent_format(meta: FileMeta) -> tuple | None:
+    latent = next((t for t in meta.tensors if t.path == ("latent",)), None)
+    if latent is None or len(latent.shape) != 3:
+        return None
+    others = tuple(sorted(str(t.path[0]) for t in meta.tensors if t.path))
+    return latent.dtype, latent.shape[0], others

@@ -47,10 +47,10 @@ def _kohya_image_dir(path: str) -> bool:
         n.endswith(kohya.IMAGE_EXTENSIONS) for n in names)
 
 
-def _aggregates(path: str) -> dict[str, onetrainer.Entries]:
+def _aggregates(path: str) -> dict[str, onetrainer.Samples]:
     """OneTrainer aggregates when `path` is a cache_dir, its image/ folder, a group folder or
     a variation folder (fixed depths: no walk)."""
-    out: dict[str, onetrainer.Entries] = {}
+    out: dict[str, onetrainer.Samples] = {}
     root = os.path.dirname(path)
     for pattern in ("image/*/variation-*/aggregate.pt", "*/variation-*/aggregate.pt",
                     "variation-*/aggregate.pt", "aggregate.pt"):
@@ -66,7 +66,7 @@ def _aggregates(path: str) -> dict[str, onetrainer.Entries]:
 
 @dataclass(frozen=True)
 class BareNaming(Naming):
-    aggregates: Mapping[str, onetrainer.Entries]
+    aggregates: Mapping[str, onetrainer.Samples]
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, bucket)

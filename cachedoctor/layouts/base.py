@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta
+
+if TYPE_CHECKING:
+    from cachedoctor.layouts.entries import Changes, Entries
 
 
 class TargetError(Exception):
@@ -131,6 +134,12 @@ class Naming:
     def missing_text(self, image: str, cache_dir: str) -> str:
         """What is missing for `image`, for CD404's message."""
         return f"expected {self.expected_entry(image)} in {cache_dir}"
+
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries | None:
+        """How the trainer writes `dataset`'s entries, for `fix --reencode` (built at repair
+        time, never in the scan's workers, knowing what the repair `changes` first); None where
+        the layout cannot say."""
+        return None
 
 
 FOLDERS = Naming()

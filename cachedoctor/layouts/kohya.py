@@ -35,6 +35,17 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, unique
+from cachedoctor.layouts.entries import (
+    Changes,
+    Entries,
+    EntryFormat,
+    EntrySpec,
+    Geometry,
+    NoSpec,
+    healthy,
+    most_common,
+    only,
+)
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
@@ -261,14 +272,22 @@ class Buckets:
 
     def select(self, width: int, height: int) -> tuple[int, int]:
         """The (w, h) bucket of an image of this size."""
+        return self.fit(width, height)[0]
+
+    def fit(self, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(bucket, resized): the (w, h) bucket of an image of this size, and the (w, h) it is
+        resized to before kohya crops it to the bucket (BucketManager.select_bucket)."""
         aspect = width / height
         if not self.enabled or not self.no_upscale:
             if (width, height) in self.predefined:
-                return width, height
-            # the predefined bucket of nearest aspect ratio; the first one on a tie
-            best = min(range(len(self.predefined)),
-                       key=lambda i: abs(self.predefined[i][0] / self.predefined[i][1] - aspect))
-            return self.predefined[best]
+                reso = (width, height)
+            else:
+                # the predefined bucket of nearest aspect ratio; the first one on a tie
+                best = min(range(len(self.predefined)),
+                           key=lambda i: abs(self.predefined[i][0] / self.predefined[i][1] - aspect))
+                reso = self.predefined[best]
+            scale = reso[1] / height if aspect > reso[0] / reso[1] else reso[0] / width
+            return reso, (int(width * scale + 0.5), int(height * scale + 0.5))
         max_area = self.resolution[0] * self.resolution[1]
         if width * height > max_area:
             # shrink to the maximum area keeping the aspect ratio, then round the side whose
@@ -285,7 +304,7 @@ class Buckets:
                 size = (int(h_round * aspect + 0.5), h_round)
         else:
             size = (width, height)
-        return size[0] - size[0] % self.steps, size[1] - size[1] % self.steps
+        return (size[0] - size[0] % self.steps, size[1] - size[1] % self.steps), size
 
     def _round(self, x: float) -> int:
         x = int(x + 0.5)
@@ -370,6 +389,9 @@ class KohyaNaming(Naming):
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
 
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(self, changes)
+
     def expected_entry(self, image: str) -> str:
         stem = os.path.splitext(os.path.basename(image))[0]
         return f"{stem}_<W>x<H>_<arch>.npz"
@@ -406,3 +428,92 @@ class _Directory(DirectoryNaming):
         stride = STRIDE.get(arch, 8)
         return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
                           expected=(bh // stride, bw // stride), family=arch)
+
+
+# -- entries (fix --reencode) ------------------------------------------------------------------
+
+RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
+MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
+
+
+class _Entries(Entries):
+    """kohya's latent npz files (strategy_base.py `save_latents_to_disk`, train_util.py
+    `trim_and_resize_if_required`): `<stem>_<WWWW>x<HHHH>_<arch>.npz` beside the image, named
+    with its pixel size; float32 `latents` (unscaled), `original_size` [W, H] and `crop_ltrb`,
+    their keys suffixed `_<h>x<w>` where the neighbours' are (multi-resolution architectures).
+    The image is resized to cover its bucket (BucketManager.select_bucket) and cropped in the
+    centre; crop_ltrb is get_crop_ltrb's, in the neighbours' dtype."""
+
+    def __init__(self, naming: KohyaNaming, changes: Changes) -> None:
+        super().__init__(changes)
+        self.naming = naming
+
+    def source(self, entry: str) -> str:
+        directory, name = os.path.split(entry)
+        match = LATENT_NAME.match(name)
+        stem = match["stem"] if match else os.path.splitext(name)[0]
+        found = [n for n in listdir(directory)
+                 if n.endswith(IMAGE_EXTENSIONS) and os.path.splitext(n)[0] == stem]
+        if len(found) != 1:
+            raise NoSpec(f"no image {stem}.* beside it" if not found else
+                         f"{' and '.join(found)} share its name (CD407): rename one")
+        return os.path.join(directory, found[0])
+
+    def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
+        import numpy as np
+
+        from cachedoctor import images
+
+        buckets = self.naming.buckets
+        if buckets is None:
+            raise NoSpec("the dataset's resolution is unknown, so is its bucket")
+        width, height = images.size(image)
+        directory = os.path.dirname(image)
+        arch, multi, dtype, channels, kinds = self._format(directory)
+        stride = STRIDE.get(arch, 8)
+        (bucket_w, bucket_h), resized = buckets.fit(width, height)
+        latent = (bucket_h // stride, bucket_w // stride)
+        suffix = f"_{latent[0]}x{latent[1]}" if multi else ""
+        values = {"original_size": (width, height),
+                  "crop_ltrb": _crop_ltrb((bucket_w, bucket_h), (width, height))}
+        extras = {k + suffix: np.asarray(v, dtype=kinds[k]) for k, v in values.items() if k in kinds}
+        stem = os.path.splitext(os.path.basename(image))[0]
+        path = os.path.join(directory, f"{stem}_{width:04d}x{height:04d}_{arch}.npz")
+        geometry = Geometry((width, height), resized, ((resized[0] - bucket_w) // 2,
+                            (resized[1] - bucket_h) // 2, bucket_w, bucket_h), "area")
+        return EntrySpec(image, path, EntryFormat("npz", "latents" + suffix, dtype, channels,
+                                                  extras=extras), geometry, latent)
+
+    def _format(self, directory: str) -> tuple:
+        """(arch, multi-resolution keys, latent dtype, channels, {value: dtype}) most healthy
+        latent npz files of the folder share."""
+        found = self.once(directory, lambda: most_common(filter(None, (
+            _npz_format(m) for m in healthy(directory, ".npz", self.unlike))), "latent npz"))
+        only((k for k, _ in found[4]), {"latents", *MADE}, "npz files")
+        return (*found[:4], dict(found[4]))
+
+
+def _npz_format(meta: FileMeta) -> tuple | None:
+    """(arch, multi-resolution, dtype, channels, ((value, dtype), ...)) of a latent npz named
+    as kohya names them and holding one latent; None for anything else."""
+    match = LATENT_NAME.match(os.path.basename(meta.path))
+    tensors = {str(t.path[0]): t for t in meta.tensors if t.path}
+    keys = [k for k in tensors if RESO_KEY.match(k)]
+    if match is None or len(keys) != 1 or len(tensors[keys[0]].shape) != 3:
+        return None
+    latent = tensors[keys[0]]
+    suffix = keys[0][len("latents"):]
+    values = tuple(sorted((k.removesuffix(suffix) if suffix else k, t.dtype)
+                          for k, t in tensors.items() if k != keys[0]))
+    return match["arch"], bool(suffix), latent.dtype, latent.shape[0], values
+
+
+def _crop_ltrb(bucket: tuple[int, int], size: tuple[int, int]) -> tuple[float, ...]:
+    """BucketManager.get_crop_ltrb: where the image sits in its bucket, resized to cover it."""
+    bucket_ar, image_ar = bucket[0] / bucket[1], size[0] / size[1]
+    if bucket_ar > image_ar:
+        resized_w, resized_h = bucket[1] * image_ar, bucket[1]
+    else:
+        resized_w, resized_h = bucket[0], bucket[0] / image_ar
+    left, top = (bucket[0] - resized_w) // 2, (bucket[1] - resized_h) // 2
+    return left, top, left + resized_w, top + resized_h

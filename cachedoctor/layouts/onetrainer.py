@@ -40,6 +40,18 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.entries import (
+    Changes,
+    Entries,
+    EntryFormat,
+    EntrySpec,
+    Geometry,
+    NoSpec,
+    container_of,
+    healthy,
+    most_common,
+    only,
+)
 from cachedoctor.layouts.paths import canonical, resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
@@ -206,16 +218,16 @@ def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
 
 # -- aggregate.pt --------------------------------------------------------------------------------
 
-Entries = tuple[tuple[str | None, tuple[int, int] | None], ...]
+Samples = tuple[tuple[str | None, tuple[int, int] | None], ...]
 
 
-def read_aggregates(image_cache: str, root: str) -> dict[str, Entries]:
+def read_aggregates(image_cache: str, root: str) -> dict[str, Samples]:
     """variation dir -> (image path, crop (h, w)) per sample index, from each aggregate.pt.
 
     A missing or unreadable aggregate.pt leaves its folder out: OneTrainer re-caches a folder
     without one, and a broken one is reported by the file rules (CD101).
     """
-    out: dict[str, Entries] = {}
+    out: dict[str, Samples] = {}
     pattern = os.path.join(glob.escape(image_cache), "*", "variation-*", "aggregate.pt")
     for path in sorted(glob.glob(pattern)):
         entries = aggregate_entries(path, root)
@@ -224,7 +236,7 @@ def read_aggregates(image_cache: str, root: str) -> dict[str, Entries]:
     return out
 
 
-def aggregate_entries(path: str, root: str) -> Entries | None:
+def aggregate_entries(path: str, root: str) -> Samples | None:
     try:
         obj = read_object(path)
     except (ObjectError, OSError):
@@ -248,9 +260,11 @@ def aggregate_entries(path: str, root: str) -> Entries | None:
 
 @dataclass(frozen=True)
 class OneTrainerNaming(Naming):
-    aggregates: Mapping[str, Entries]  # variation dir -> entries by sample index
+    aggregates: Mapping[str, Samples]  # variation dir -> (image, crop) by sample index
     expects_cache: bool = True
 
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(self, changes)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, area)
@@ -294,3 +308,92 @@ class _Directory(DirectoryNaming):
             return CacheFacts(key=image)
         h, w = crop
         return CacheFacts(key=image, bucket=f"{w}x{h}", expected=(h // VAE_FACTOR, w // VAE_FACTOR))
+
+
+# -- entries (fix --reencode) ------------------------------------------------------------------
+
+LATENT_KEY = "latent_image"
+MADE = frozenset({"original_resolution", "crop_offset"})  # what a sample holds beside its latent
+NEW_SAMPLE = ("OneTrainer pairs its image and text cache entries by sample number, so a new "
+              "sample needs a text-encoder entry too, which cachedoctor cannot make: let "
+              "OneTrainer cache this concept again (clear_cache_before_training, or remove its "
+              "folders under image/ and text/)")
+
+
+class _Entries(Entries):
+    """OneTrainer's image cache samples (mgds DiskCache): `<i>.pt` in a variation folder, a dict
+    of `latent_image` (the VAE's mean, unscaled, in vae_train_dtype, saved from train_device),
+    `original_resolution` (h, w) and `crop_offset` (y, x). The image is scaled to cover the
+    sample's `crop_resolution` in aggregate.pt and cropped in the centre (mgds AspectBucketing,
+    ScaleCropImage; with crop jitter OneTrainer draws the offset, the centre being one it can
+    draw). A sample keeps its number, so aggregate.pt stays as it is; it is saved on the device
+    its neighbours were saved from, unless the repair rewrites them on the CPU."""
+
+    def __init__(self, naming: OneTrainerNaming, changes: Changes) -> None:
+        super().__init__(changes)
+        self.naming = naming
+
+    def _sample(self, entry: str) -> tuple[str, tuple[int, int] | None]:
+        folder, name = os.path.split(entry)
+        listed = self.naming.aggregates.get(folder)
+        if listed is None:
+            raise NoSpec("its folder has no readable aggregate.pt")
+        stem = name[:-3] if name.endswith(".pt") else ""
+        if not stem.isdigit() or int(stem) >= len(listed):
+            raise NoSpec("its folder's aggregate.pt lists no sample of its number")
+        image, crop = listed[int(stem)]
+        if image is None:
+            raise NoSpec("aggregate.pt names no image for it")
+        return image, crop
+
+    def source(self, entry: str) -> str:
+        return self._sample(entry)[0]
+
+    def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
+        from cachedoctor import images
+
+        if replacing is None:
+            raise NoSpec(NEW_SAMPLE)
+        crop = self._sample(replacing)[1]
+        if crop is None:
+            raise NoSpec("aggregate.pt gives no crop_resolution for it")
+        width, height = images.size(image)
+        crop_h, crop_w = crop
+        if height / width > crop_h / crop_w:  # AspectBucketing: scale to cover the crop
+            scaled = (round(height * (crop_w / width)), crop_w)
+        else:
+            scaled = (crop_h, round(width * (crop_h / height)))
+        y, x = (scaled[0] - crop_h) // 2, (scaled[1] - crop_w) // 2
+        geometry = Geometry((width, height), (scaled[1], scaled[0]), (x, y, crop_w, crop_h),
+                            "bilinear")
+        fmt, kinds = self._format(os.path.dirname(replacing))
+        values = {"original_resolution": (height, width), "crop_offset": (y, x)}
+        extras = {k: (list(v) if kinds[k] == "list" else v) for k, v in values.items() if k in kinds}
+        return EntrySpec(image, replacing, EntryFormat(
+            fmt.container, LATENT_KEY, fmt.dtype, fmt.channels, location=fmt.location,
+            extras=extras), geometry, geometry.latent_size(VAE_FACTOR))
+
+    def _format(self, folder: str) -> tuple[EntryFormat, dict[str, str]]:
+        """The container, dtype, channels and device most healthy samples of the folder share,
+        and the type (tuple, list) of each value they hold beside the latent."""
+        found = self.once(folder, lambda: most_common(filter(None, (_sample_format(m) for m in healthy(
+            folder, ".pt", {*self.unlike, os.path.join(folder, "aggregate.pt")}))), "sample"))
+        only((k for k, _ in found[4]), {LATENT_KEY, *MADE}, "samples")
+        container, dtype, channels, location, kinds = found
+        if any(os.path.dirname(p) == folder for p in self.changes.to_cpu):
+            location = "cpu"  # the repair stores the folder's samples on the CPU: so this one too
+        return EntryFormat(container, LATENT_KEY, dtype, channels, location=location), dict(kinds)
+
+
+def _sample_format(meta: FileMeta) -> tuple | None:
+    """(container, latent dtype, channels, device, ((key, type name), ...)) of a sample file,
+    read with the restricted unpickler; None for anything that is no sample dict."""
+    try:
+        obj = read_object(meta.path)
+    except (ObjectError, OSError):
+        return None
+    latent = next((t for t in meta.tensors if t.path == (LATENT_KEY,)), None)
+    if not isinstance(obj, dict) or latent is None or len(latent.shape) != 3:
+        return None
+    kinds = tuple(sorted((str(k), type(v).__name__) for k, v in obj.items() if k != LATENT_KEY))
+    return container_of(meta), latent.dtype, latent.shape[0], latent.location, kinds

@@ -41,7 +41,7 @@ import os
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cachedoctor.formats.meta import FileMeta
@@ -55,6 +55,7 @@ from cachedoctor.layouts.base import (
     frozen,
 )
 from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
@@ -447,7 +448,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
     naming = SimpleTunerNaming(
         instance_dir=configured, image_root=image_dir, cache_root=cache_dir,
         buckets=frozen(buckets.by_key), listed=buckets.listed,
-        expects_cache=not (ondemand or disabled),
+        expects_cache=not (ondemand or disabled), metadata_file=buckets.metadata_file,
     )
     return Dataset(
         ident, cache_dirs=(cache_dir,), image_dirs=(image_dir,), latent_cache_dir=cache_dir,
@@ -465,6 +466,7 @@ class _Buckets:
     by_key: dict[str, tuple[str, tuple[int, int] | None]] = field(default_factory=dict)
     listed: frozenset[str] | None = None
     origin: Origin | None = None
+    metadata_file: str | None = None  # aspect_ratio_bucket_metadata_<suffix>.json, when read
 
 
 def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured: str,
@@ -479,6 +481,7 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
     if not isinstance(indices, dict):
         return out
     out.origin = Origin(indices_path, "aspect_ratio_bucket_indices", None)
+    out.metadata_file = metadata_path if isinstance(metadata, dict) else None
     raw = indices.get("aspect_ratio_bucket_indices")
     if not isinstance(raw, dict):
         problems.invalid(out.origin, "aspect_ratio_bucket_indices is missing or not a mapping: "
@@ -551,8 +554,12 @@ class SimpleTunerNaming(Naming):
     buckets: Mapping[str, tuple[str, tuple[int, int] | None]]
     listed: frozenset[str] | None  # images in the bucket file; None when there is none
     expects_cache: bool
+    metadata_file: str | None = None  # the bucket metadata (sizes and crops), for --reencode
 
     stem_collisions = True
+
+    def entries(self, dataset: Dataset, changes: Changes) -> Entries:
+        return _Entries(self, changes)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
@@ -594,3 +601,97 @@ class _Directory(DirectoryNaming):
             return CacheFacts(key=key)
         return CacheFacts(key=key, bucket=found[0], expected=found[1])
 
+
+
+# -- entries (fix --reencode) ------------------------------------------------------------------
+
+
+class _Entries(Entries):
+    """SimpleTuner's VAE cache entries: `<sub>/<sha256(stem)>.pt`, a bare tensor in the VAE's
+    dtype, scaled, in the container of the healthy entries beside it; the image resized to its
+    bucket metadata's `intermediary_size` and cropped at `crop_coordinates` (top, left) to its
+    `target_size` (image_manipulation/training_sample.py, cropping.py)."""
+
+    def __init__(self, naming: SimpleTunerNaming, changes: Changes) -> None:
+        super().__init__(changes)
+        self.naming = naming
+        self._images: dict[str, list[str]] | None = None
+        self._metadata: dict[str, Any] | None = None
+
+    def source(self, entry: str) -> str:
+        naming = self.naming
+        if not _under(entry, naming.cache_root) or not entry.endswith(".pt"):
+            raise NoSpec("not an entry of the dataset's VAE cache")
+        rel = os.path.relpath(entry, naming.cache_root)[:-3]
+        if not SHA256_NAME.match(os.path.basename(rel)):
+            raise NoSpec("an unhashed name, which SimpleTuner no longer reads")
+        found = self._by_key().get(_join(os.path.dirname(rel), os.path.basename(rel)), [])
+        if len(found) != 1:
+            raise NoSpec("no image of the dataset hashes to its name" if not found else
+                         f"{len(found)} images share its name (CD407): rename one")
+        return found[0]
+
+    def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
+        from cachedoctor import images
+
+        naming = self.naming
+        if image.lower().endswith(VIDEO_EXTENSIONS):
+            raise NoSpec("a video: cachedoctor encodes images only")
+        path = os.path.join(naming.cache_root, vae_key(naming.instance_dir, image) + ".pt")
+        meta = self._metadata_of().get(image)
+        sizes = _sizes(meta)
+        if sizes is None:
+            raise NoSpec("SimpleTuner's bucket metadata gives no size for it: let its aspect "
+                         "bucket scan run first")
+        original, intermediary, (top, left), target = sizes
+        size = images.size(image)
+        if size != original:
+            raise NoSpec(f"it is {size[0]}x{size[1]} now, {original[0]}x{original[1]} in "
+                         "SimpleTuner's bucket metadata: let its aspect bucket scan run first")
+        try:
+            fmt = self.once(os.path.dirname(path), lambda: neighbour_format(path, self.unlike))
+        except NoSpec:  # a sub-folder with no healthy entry yet: the cache's own format
+            root = os.path.join(naming.cache_root, "new.pt")
+            fmt = self.once(naming.cache_root, lambda: neighbour_format(root, self.unlike))
+        geometry = Geometry(size, intermediary, (left, top, *target), "bicubic")
+        return EntrySpec(image, path, replace(fmt, scaled=True), geometry,
+                         geometry.latent_size(VAE_FACTOR))
+
+    def _by_key(self) -> dict[str, list[str]]:
+        if self._images is None:
+            naming = self.naming
+            listed = naming.listed
+            if listed is None:
+                listed = frozenset(
+                    os.path.join(parent, name) for parent, _, names in os.walk(naming.image_root)
+                    for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
+            self._images = {}
+            for image in sorted(listed):
+                self._images.setdefault(vae_key(naming.instance_dir, image), []).append(image)
+        return self._images
+
+    def _metadata_of(self) -> dict[str, Any]:
+        if self._metadata is None:
+            self._metadata = {}
+            file = self.naming.metadata_file
+            if file is not None:
+                data = _read_json(file, "", Problems())
+                if isinstance(data, dict):
+                    self._metadata = {resolve(self.naming.image_root, str(k)): v
+                                      for k, v in data.items()}
+        return self._metadata
+
+
+def _sizes(meta: Any) -> tuple[tuple[int, int], ...] | None:
+    """(original_size, intermediary_size, crop_coordinates (top, left), target_size) of an
+    image's bucket metadata; None unless all four are pairs of whole numbers."""
+    if not isinstance(meta, dict):
+        return None
+    out = []
+    for key in ("original_size", "intermediary_size", "crop_coordinates", "target_size"):
+        value = meta.get(key)
+        if not (isinstance(value, list) and len(value) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+            return None
+        out.append((value[0], value[1]))
+    return tuple(out)

@@ -1,6 +1,7 @@
 """Which cache a file belongs to, and where that cache keeps cachedoctor's own state.
 
-A cache root is a dataset's cache dir: a bare target dir, or the dir of a single-file target.
+A cache root is a dataset's cache dir: a bare target dir, or the dir of a single-file target;
+for trainers that keep their caches beside the images (kohya, ai-toolkit), the image dir.
 Each root holds `.cachedoctor/` (the scan never walks it):
 
     .cachedoctor/journal.sqlite                 what every run did, written before it does it
@@ -30,12 +31,14 @@ def state_dir(root: str) -> str:
 
 
 def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
-    """Every cache root of the layouts' datasets, absolute, in order, without repeats. Raises
+    """Every cache root of the layouts' datasets, absolute, in order, without repeats: their
+    cache dirs, or, for caches beside the images (kohya, ai-toolkit), their image dirs. Raises
     ValueError for a root inside a `.cachedoctor/` dir (the quarantine is not a cache to fix)."""
     roots: list[str] = []
     for layout in layouts:
         for dataset in layout.datasets:
-            for cache_dir in dataset.cache_dirs:
+            dirs = dataset.cache_dirs or (dataset.image_dirs if dataset.caches_beside_images else ())
+            for cache_dir in dirs:
                 path = os.path.abspath(cache_dir)
                 root = path if os.path.isdir(path) else os.path.dirname(path)
                 if STATE_DIR in root.split(os.sep):

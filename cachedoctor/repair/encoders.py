@@ -153,23 +153,3 @@ def _diffusers(spec: str, path: str) -> Encoder:
         return DiffusersEncoder(spec, path, "vae")
     raise EncoderError(f"--encoder {spec}: no config.json in {path} or {os.path.join(path, 'vae')} "
                        "(give a local AutoencoderKL or pipeline dir)")
-
-
-def load_image(path: str) -> torch.Tensor:
-    """A uint8 RGB image [3, H, W]: with Pillow when it is installed, else PNGs of the kind the
-    fixtures write (8-bit RGB, unfiltered)."""
-    import numpy as np
-    import torch
-
-    try:
-        from PIL import Image
-    except ImportError:
-        from cachedoctor.fixtures.images import read_png
-
-        try:
-            return read_png(path)[2]
-        except ValueError as exc:
-            raise EncoderError(f"{exc}; install Pillow to read other images") from None
-    with Image.open(path) as img:
-        rgb = np.asarray(img.convert("RGB"))
-    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()

@@ -5,6 +5,11 @@
 (a broken or hostile file is never loaded), then compact (which also stores every tensor on the
 CPU), then to-cpu. Findings without an automatic fix become notes (with the config edit, where
 the finding carries one in `details["edit"]`).
+
+Under --reencode (`Reencode`), every quarantined entry that DESIGN.md §4 marks "(+ re-encode)"
+and every image without its entry (CD404) gets a reencode action: the trainer's layout names the
+source image and describes the entry it would write (layouts/entries.py); where it cannot, a
+skip note says why.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from cachedoctor.checks import interrupted_write
+from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
+from cachedoctor.inventory import LATENT, classify
+from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.repair.caches import root_of
-from cachedoctor.repair.reencode import EntryFormat, NoFormat, ReencodeTarget, neighbour_format
+from cachedoctor.repair.reencode import ReencodeTarget
 
 if TYPE_CHECKING:
+    from cachedoctor.layouts import Dataset, Layout
     from cachedoctor.repair.apply import Outcome, RunResult
     from cachedoctor.repair.encoders import Encoder
 
@@ -28,8 +36,13 @@ QUARANTINE, COMPACT, TO_CPU, REENCODE = "quarantine", "compact", "to-cpu", "reen
 KINDS = (QUARANTINE, COMPACT, TO_CPU, REENCODE)  # the order a run applies them in
 REWRITES = frozenset({COMPACT, TO_CPU})
 # DESIGN.md §4's "quarantine (+ re-encode)": under --reencode these entries are encoded again.
-REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD406"})
+REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD303",
+                            "CD406"})
+# Entries quarantined for these are not stored as their trainer stores entries: never copied.
+UNLIKE = frozenset({"CD101", "CD102", "CD103", "CD105", "CD303"})
 RECENT = interrupted_write.RECENT_SECONDS  # a younger temp file may belong to a running writer
+NOT_A_LATENT = ("no re-encode: not a latent (text-encoder outputs need the text encoder: the "
+                "trainer's caching pass writes them again)")
 
 
 @dataclass(frozen=True)
@@ -67,13 +80,21 @@ class Note:
 
 @dataclass(frozen=True)
 class Reencode:
-    """What --reencode needs: an encoder, the source image of entries the plan quarantines
-    (entry path -> image path; trainer layouts know it, a bare cache does not), and entries to
-    create outright (CD404)."""
+    """What --reencode needs: an encoder; the datasets of the trainer configs (id -> Dataset:
+    their layouts name each entry's image and describe the entries their trainer writes);
+    and, for caches no layout describes, the source image of entries (entry path -> image path)
+    and entries to create outright."""
 
     encoder: Encoder
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     targets: tuple[ReencodeTarget, ...] = ()
+    datasets: Mapping[str, Dataset] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def of(cls, encoder: Encoder, layouts: Iterable[Layout]) -> Reencode:
+        """For a scan of these layouts (dataset ids as the scan gives them)."""
+        return cls(encoder, datasets=MappingProxyType(
+            {d.id: d for layout in layouts for d in layout.datasets}))
 
 
 @dataclass(frozen=True)
@@ -113,10 +134,17 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
     """The plan for `report`'s findings in the caches `roots` (cache_roots of the targets)."""
     roots = tuple(roots)
     files: dict[str, list[Finding]] = {}
+    missing: list[Finding] = []
     notes: list[Note] = []
     for finding in report.findings:
         if finding.fix is None:
             notes.append(Note(finding.code, finding.path, finding.message, finding.details.get("edit")))
+        elif finding.fix == REENCODE and finding.code == missing_cache_entries.RULE.code:
+            if reencode is None:
+                notes.append(_skip(finding.code, finding.path, "missing: `--reencode --encoder "
+                                   "SPEC` encodes it"))
+            else:
+                missing.append(finding)
         elif finding.fix not in (QUARANTINE, COMPACT, TO_CPU):
             notes.append(_skip(finding.code, finding.path, f"no automatic {finding.fix} in this version"))
         elif finding.code == interrupted_write.RULE.code and \
@@ -132,7 +160,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
                     files.setdefault(path, []).append(finding)
     actions = [_action(path, findings, root_of(path, roots) or "") for path, findings in files.items()]
     if reencode is not None:
-        actions += _reencodes(actions, roots, reencode, notes)
+        actions += _Reencodes(reencode, roots, actions, notes).actions(files, missing)
     actions.sort(key=lambda a: (KINDS.index(a.kind), a.path))
     return Plan(tuple(actions), tuple(notes), reencode.encoder if reencode else None)
 
@@ -173,39 +201,81 @@ def _action(path: str, findings: list[Finding], root: str) -> Action:
     return Action(kind, path, root, codes, size, freed)
 
 
-def _reencodes(actions: list[Action], roots: tuple[str, ...], reencode: Reencode,
-               notes: list[Note]) -> list[Action]:
-    """A reencode for every quarantined entry with a known image, and for every given target."""
-    leaving = {a.path for a in actions if a.kind == QUARANTINE}
-    jobs: list[ReencodeTarget] = []
-    formats: dict[str, EntryFormat | str] = {}  # per dir: the neighbours' format, or why none
-    for action in actions:
-        codes = tuple(c for c in action.codes if c in REENCODE_AFTER)
-        if action.kind != QUARANTINE or not codes:
-            continue
-        image = reencode.sources.get(action.path)
-        if image is None:
-            notes.append(_skip(codes[0], action.path, "no re-encode: its source image is unknown "
-                               "(a bare cache; give the trainer's config)"))
-            continue
-        directory = os.path.dirname(action.path)
-        if directory not in formats:
+class _Reencodes:
+    """The reencode actions of a plan: one per quarantined entry whose image is known, one per
+    missing entry (CD404), each as the trainer's layout describes it."""
+
+    def __init__(self, reencode: Reencode, roots: tuple[str, ...], actions: list[Action],
+                 notes: list[Note]) -> None:
+        self.reencode, self.roots, self.notes = reencode, roots, notes
+        self.leaving = frozenset(a.path for a in actions if a.kind == QUARANTINE)
+        self.quarantined = [a for a in actions if a.kind == QUARANTINE]
+        self.changes = Changes(
+            unlike=frozenset(a.path for a in self.quarantined if UNLIKE.intersection(a.codes)),
+            to_cpu=frozenset(a.path for a in actions if a.kind in REWRITES))
+        self._entries: dict[str | None, Entries] = {}
+
+    def entries(self, dataset: str | None) -> Entries:
+        if dataset not in self._entries:
+            found = self.reencode.datasets.get(dataset) if dataset is not None else None
+            made = found.naming.entries(found, self.changes) if found is not None else None
+            self._entries[dataset] = made or _BareEntries(self.changes)
+        return self._entries[dataset]
+
+    def actions(self, files: Mapping[str, list[Finding]], missing: list[Finding]) -> list[Action]:
+        jobs: list[ReencodeTarget] = []
+        for action in self.quarantined:
+            codes = tuple(c for c in action.codes if c in REENCODE_AFTER)
+            if not codes:
+                continue
+            if classify(os.path.basename(action.path), os.path.dirname(action.path)) != LATENT:
+                self.notes.append(_skip(codes[0], action.path, NOT_A_LATENT))
+                continue
+            finding = files[action.path][0]
+            entries = self.entries(finding.dataset)
             try:
-                formats[directory] = neighbour_format(action.path, exclude=leaving)
-            except NoFormat as exc:
-                formats[directory] = f"no re-encode: {exc}"
-        found = formats[directory]
-        if isinstance(found, str):
-            notes.append(_skip(codes[0], action.path, found))
-        else:
-            jobs.append(ReencodeTarget(image, action.path, found, codes))
-    out = []
-    for job in (*jobs, *reencode.targets):
-        root = root_of(job.path, roots)
-        if root is None:
-            notes.append(_skip(job.codes[0], job.path, "outside the caches given"))
-        elif os.path.lexists(job.path) and job.path not in leaving:
-            notes.append(_skip(job.codes[0], job.path, "no re-encode: the entry exists"))
-        else:
-            out.append(Action(REENCODE, job.path, root, job.codes, target=job))
-    return out
+                image = self.reencode.sources.get(action.path) or entries.source(action.path)
+                jobs.append(ReencodeTarget.of(entries.spec(image, action.path), codes))
+            except (NoSpec, OSError, ValueError) as exc:
+                self.notes.append(_skip(codes[0], action.path, f"no re-encode: {_reason(exc)}"))
+        for finding in missing:
+            try:
+                spec = self.entries(finding.dataset).spec(finding.path)
+                jobs.append(ReencodeTarget.of(spec, (finding.code,)))
+            except (NoSpec, OSError, ValueError) as exc:
+                self.notes.append(_skip(finding.code, finding.path, f"no re-encode: {_reason(exc)}"))
+        out: dict[str, Action] = {}
+        for job in (*jobs, *self.reencode.targets):
+            if job.path in out:
+                continue  # a quarantined entry and a missing one that the trainer names alike
+            root = root_of(job.path, self.roots)
+            if root is None:
+                self.notes.append(_skip(job.codes[0], job.path, "no re-encode: the entry would be "
+                                        "outside the caches given"))
+            elif not os.path.isdir(os.path.dirname(job.path)):
+                # a run creates files only, so that undo leaves the tree exactly as it was
+                self.notes.append(_skip(job.codes[0], job.path, "no re-encode: its folder does not "
+                                        "exist yet (the trainer's caching pass creates it)"))
+            elif os.path.lexists(job.path) and job.path not in self.leaving:
+                self.notes.append(_skip(job.codes[0], job.path, "no re-encode: the entry exists"))
+            else:
+                out[job.path] = Action(REENCODE, job.path, root, job.codes, target=job)
+        return list(out.values())
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")
+    return str(exc)
+
+
+class _BareEntries(Entries):
+    """A cache no trainer layout describes: images only from `Reencode.sources`, the format of
+    the healthy single-latent files beside the entry."""
+
+    def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
+        if replacing is None:
+            raise NoSpec("a bare cache: give the trainer's config, whose layout names the entry")
+        found = self.once(os.path.dirname(replacing),
+                          lambda: neighbour_format(replacing, exclude=self.unlike))
+        return EntrySpec(image, replacing, found)

@@ -1,30 +1,38 @@
 """reencode: a new cache entry encoded from its source image, written as the trainer writes it.
 
-A job is a `ReencodeTarget`: the image, the path of the entry, and its `EntryFormat` (container,
-key, dtype, channels, batch dim, scaling, the other entries and header metadata the trainer
-stores). Trainer layouts build targets for their entries; for a bare cache the format is that
-of the healthy neighbouring files (`neighbour_format`), which works where an entry holds the
-latent only (SimpleTuner's bare tensors; single-tensor safetensors or npz files).
+A job is a `ReencodeTarget`: the trainer's `EntrySpec` for an image (layouts/entries.py: the
+entry's path, the bucket's resize and crop, and its `EntryFormat`: container, key, dtype, device,
+channels, scaling, the values stored beside the latent and the header metadata), plus the codes
+of the findings it answers. Trainer layouts describe their entries; for a bare cache the format
+is that of the healthy neighbouring files (`neighbour_format`), which works where an entry holds
+the latent only (SimpleTuner's bare tensors; single-tensor safetensors or npz files).
 
-The written file is checked with the scan's reader (same container, key, dtype and shape as
-asked, nothing unsafe) and loaded with the trainer's own call: torch.load(weights_only=True,
-map_location="cpu") (after gzip.decompress for gzip), safetensors.torch.load_file, np.load
-(allow_pickle=False); the latent must be bit-identical to what was encoded.
+The image is read, resized and cropped as the trainer does (torch's resampling standing in for
+the trainer's own: the geometry is exact, the pixels close), encoded, scaled where the trainer
+stores scaled latents, and written in the trainer's container. The written file is checked with
+the scan's reader (same container, key, dtype, device and shape as asked, nothing unsafe) and
+loaded with the trainer's own call: torch.load(weights_only=True, map_location="cpu") (after
+gzip.decompress for gzip), safetensors.torch.load_file, np.load(allow_pickle=False); the latent
+must be bit-identical to what was encoded, and the values and metadata beside it as asked.
 """
 
 from __future__ import annotations
 
-import collections
 import gzip
 import io
-import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from cachedoctor.formats import read_bytes, read_path
-from cachedoctor.formats.meta import NPZ, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileMeta
+from cachedoctor.formats import read_bytes
+from cachedoctor.layouts.entries import (
+    EntryFormat,
+    EntrySpec,
+    Geometry,
+    container_of,
+    format_of,
+    neighbour_format,
+)
+from cachedoctor.layouts.entries import NoSpec as NoFormat
 from cachedoctor.repair import torch_io
 from cachedoctor.repair.errors import RepairError
 
@@ -33,13 +41,8 @@ if TYPE_CHECKING:
 
     from cachedoctor.repair.encoders import Encoder
 
-TORCH_CONTAINERS = (torch_io.ZIP, torch_io.GZIP, torch_io.LEGACY)
-CONTAINERS = (*TORCH_CONTAINERS, "safetensors", "npz")
-NEIGHBOURS_READ = 8  # healthy neighbours whose format is compared
-
-
-class NoFormat(RepairError):
-    """No entry format can be taken from the neighbouring files."""
+__all__ = ["EntryFormat", "EntryMismatch", "NoFormat", "ReencodeTarget", "encode", "format_of",
+           "neighbour_format", "verify"]
 
 
 class EntryMismatch(RepairError):
@@ -47,114 +50,60 @@ class EntryMismatch(RepairError):
 
 
 @dataclass(frozen=True)
-class EntryFormat:
-    """How a trainer stores one latent."""
+class ReencodeTarget(EntrySpec):
+    """One entry to encode: the trainer's EntrySpec, and why (the codes of the findings)."""
 
-    container: str  # zip, gzip (gzip around a torch zip), legacy, safetensors, npz
-    key: str | None  # None: the file is the bare tensor; else its dict key, tensor or member name
-    dtype: str  # torch's dtype name: float16, bfloat16, float32
-    channels: int | None = None  # C of [C, h, w]; None: whatever the encoder gives
-    batch_dim: bool = False  # stored as [1, C, h, w]
-    scaled: bool = False  # stored as (latent - shift_factor) * scaling_factor (SimpleTuner, ai-toolkit)
-    # Other entries (kohya's original_size, crop_ltrb) and safetensors header metadata (ai-toolkit);
-    # left out of the hash (mappings have none), not out of equality.
-    extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
-    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    codes: tuple[str, ...] = ("CD404",)  # missing (CD404), or the codes that quarantined it
 
-    def __post_init__(self) -> None:
-        if self.container not in CONTAINERS:
-            raise ValueError(f"container must be one of {CONTAINERS}, got {self.container!r}")
-        if self.container in ("safetensors", "npz") and self.key is None:
-            raise ValueError(f"a {self.container} entry needs a key (the latent's name)")
-        for name in ("extras", "metadata"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
-
-    @property
-    def shape_of(self) -> str:
-        return f"[{'1, ' if self.batch_dim else ''}{self.channels or 'C'}, h, w]"
-
-
-@dataclass(frozen=True)
-class ReencodeTarget:
-    """One entry to encode: `image` -> `path`, stored as `format`."""
-
-    image: str
-    path: str
-    format: EntryFormat
-    codes: tuple[str, ...] = ("CD404",)  # why: missing (CD404), or the codes that quarantined it
-
-
-def format_of(meta: FileMeta) -> EntryFormat:
-    """The format of a healthy file that holds one latent and nothing image-specific besides."""
-    name = os.path.basename(meta.path)
-    if meta.errors or meta.unsafe_globals:
-        raise NoFormat(f"{name} is itself broken")
-    kind = _container(meta)
-    if len(meta.tensors) != 1 or meta.metadata:
-        what = f"{len(meta.tensors)} tensors" if len(meta.tensors) != 1 else "header metadata"
-        raise NoFormat(f"entries like {name} hold {what}: only the trainer's layout can write them")
-    latent = meta.tensors[0]
-    if len(latent.shape) not in (3, 4):
-        raise NoFormat(f"{name} holds no [C, h, w] latent")
-    if latent.path and kind in TORCH_CONTAINERS:
-        raise NoFormat(f"entries like {name} are dicts, whose other values only the trainer's "
-                       "layout knows")
-    batch = len(latent.shape) == 4 and latent.shape[0] == 1
-    return EntryFormat(kind, str(latent.path[0]) if latent.path else None, latent.dtype,
-                       latent.shape[1] if batch else latent.shape[0], batch)
-
-
-def neighbour_format(path: str, exclude: Iterable[str] = ()) -> EntryFormat:
-    """The format most healthy files beside `path` (same extension) share; NoFormat if none."""
-    directory, name = os.path.split(path)
-    ext = os.path.splitext(name)[1].lower()
-    skip = {os.path.basename(p) for p in exclude} | {name}
-    try:
-        names = sorted(n for n in os.listdir(directory)
-                       if n not in skip and not n.startswith(".") and n.lower().endswith(ext))
-    except OSError as exc:
-        raise NoFormat(f"cannot list {directory}: {exc.strerror}") from None
-    found: collections.Counter[EntryFormat] = collections.Counter()
-    reasons = []
-    for neighbour in names:
-        try:
-            found[format_of(read_path(os.path.join(directory, neighbour)))] += 1
-        except NoFormat as exc:
-            reasons.append(str(exc))
-        if sum(found.values()) >= NEIGHBOURS_READ:
-            break
-    if not found:
-        raise NoFormat(reasons[0] if reasons else f"no healthy {ext or 'cache'} file beside it "
-                       "to take the format from")
-    return found.most_common(1)[0][0]
-
-
-def _container(meta: FileMeta) -> str:
-    if meta.format in (TORCH_ZIP, TORCH_LEGACY):
-        try:
-            return torch_io.container(meta)
-        except torch_io.Unloadable as exc:
-            raise NoFormat(str(exc)) from None
-    if meta.format == SAFETENSORS:
-        return "safetensors"
-    if meta.format == NPZ:
-        return "npz"
-    raise NoFormat(f"{os.path.basename(meta.path)} is {meta.format}: no latent container")
+    @classmethod
+    def of(cls, spec: EntrySpec, codes: tuple[str, ...]) -> ReencodeTarget:
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(EntrySpec)}, codes=codes)
 
 
 def encode(target: ReencodeTarget, encoder: Encoder) -> tuple[bytes, torch.Tensor]:
     """(the entry's bytes, the latent as stored in it)."""
     from cachedoctor.fixtures.latents import as_dtype
-    from cachedoctor.repair.encoders import load_image
+    from cachedoctor.repair.encoders import EncoderError
 
     fmt = target.format
-    latent = encoder.encode(load_image(target.image), fmt.channels)
+    latent = encoder.encode(pixels(target.image, target.geometry), fmt.channels)
+    if target.latent_size is not None and tuple(latent.shape[-2:]) != target.latent_size:
+        h, w = target.latent_size
+        raise EncoderError(f"encoder {encoder.spec} gives {latent.shape[-2]}x{latent.shape[-1]} "
+                           f"latents here; the trainer's bucket needs {h}x{w} (a VAE of another "
+                           "downsampling factor?)")
     if fmt.scaled:
         latent = (latent - encoder.shift_factor) * encoder.scaling_factor
     value = latent.to(as_dtype(fmt.dtype)).contiguous().clone()
     if fmt.batch_dim:
         value = value[None].clone()
     return _dumps(value, fmt), value
+
+
+def pixels(image: str, geometry: Geometry | None) -> torch.Tensor:
+    """The uint8 RGB pixels [3, h, w] the trainer encodes: the image, resized and cropped."""
+    import torch
+    import torch.nn.functional as F
+
+    from cachedoctor.images import load
+
+    rgb = load(image)
+    if geometry is None:
+        return rgb
+    height, width = rgb.shape[-2:]
+    if (width, height) != geometry.size:
+        raise EntryMismatch(f"the image is {width}x{height} now, not {geometry.size[0]}x"
+                            f"{geometry.size[1]} as planned: it changed since the plan")
+    if geometry.resize != geometry.size:
+        mode = geometry.filter
+        if mode == "area" and (geometry.resize[0] > width or geometry.resize[1] > height):
+            mode = "bicubic"  # area averaging only shrinks
+        resized = F.interpolate(rgb[None].float(), size=(geometry.resize[1], geometry.resize[0]),
+                                mode=mode, antialias=mode != "area",
+                                **({} if mode == "area" else {"align_corners": False}))
+        rgb = resized[0].round().clamp(0, 255).to(torch.uint8)
+    left, top, w, h = geometry.crop
+    return rgb[:, top:top + h, left:left + w].contiguous()
 
 
 def _dumps(value: torch.Tensor, fmt: EntryFormat) -> bytes:
@@ -175,12 +124,17 @@ def _dumps(value: torch.Tensor, fmt: EntryFormat) -> bytes:
         np.savez(buffer, **{fmt.key: array, **{k: np.asarray(v) for k, v in fmt.extras.items()}})
         return buffer.getvalue()
     obj: Any = value if fmt.key is None else {fmt.key: value, **fmt.extras}
-    return torch_io.dumps(obj, fmt.container)
+    if fmt.location == "cpu":
+        return torch_io.dumps(obj, fmt.container)
+    from cachedoctor.fixtures.devices import stored_as
+
+    with stored_as(fmt.location):  # as the trainer saves from its device (OneTrainer: no .cpu())
+        return torch_io.dumps(obj, fmt.container)
 
 
 def verify(target: ReencodeTarget, written: str, expected: torch.Tensor) -> None:
     """Raise EntryMismatch unless the file `written` is the entry asked for, loaded by the
-    trainer's own call, holding `expected` bit for bit."""
+    trainer's own call, holding `expected` bit for bit and the asked values beside it."""
     import torch
 
     with open(written, "rb") as f:
@@ -191,9 +145,15 @@ def verify(target: ReencodeTarget, written: str, expected: torch.Tensor) -> None
         raise EntryMismatch(f"the reader rejects it: {(meta.errors or meta.unsafe_globals)[0]}")
     where = (fmt.key,) if fmt.key is not None else ()
     stored = [t for t in meta.tensors if t.path == where]
-    if _container(meta) != fmt.container or len(stored) != 1 or stored[0].dtype != fmt.dtype:
-        raise EntryMismatch(f"written as {_container(meta)} with {[t.display_path for t in meta.tensors]}"
+    kind = container_of(meta)
+    if kind != fmt.container or len(stored) != 1 or stored[0].dtype != fmt.dtype:
+        raise EntryMismatch(f"written as {kind} with {[t.display_path for t in meta.tensors]}"
                             f", not as {fmt.container} with a {fmt.dtype} latent at {where}")
+    if meta.locations not in ((), (fmt.location,)):
+        raise EntryMismatch(f"its tensors are stored on {', '.join(meta.locations)}, not "
+                            f"{fmt.location}")
+    if dict(meta.metadata) != dict(fmt.metadata):
+        raise EntryMismatch("its header metadata is not the one asked for")
     loaded = _trainer_load(fmt, written, data)
     value = loaded if fmt.key is None else loaded[fmt.key]
     if not isinstance(value, torch.Tensor):
@@ -203,9 +163,24 @@ def verify(target: ReencodeTarget, written: str, expected: torch.Tensor) -> None
                             f"{tuple(expected.shape)}")
     if not torch.equal(value.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)):
         raise EntryMismatch("the latent read back differs from the one encoded")
-    missing = [k for k in fmt.extras if k not in loaded]
-    if missing:
-        raise EntryMismatch(f"entries {missing} are missing")
+    keys = [] if fmt.key is None else sorted(loaded)
+    if fmt.key is not None and keys != sorted([fmt.key, *fmt.extras]):
+        raise EntryMismatch(f"it holds {keys}, not {sorted([fmt.key, *fmt.extras])}")
+    for name, want in fmt.extras.items():
+        if not _same(loaded[name], want):
+            raise EntryMismatch(f"{name} reads back as {loaded[name]!r}, not {want!r}")
+
+
+def _same(got: Any, want: Any) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(want, np.ndarray) or isinstance(got, np.ndarray):
+        return isinstance(got, np.ndarray) and got.dtype == np.asarray(want).dtype \
+            and np.array_equal(got, want)
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    return type(got) is type(want) and got == want
 
 
 def _trainer_load(fmt: EntryFormat, path: str, data: bytes) -> Any:
@@ -222,4 +197,3 @@ def _trainer_load(fmt: EntryFormat, path: str, data: bytes) -> Any:
 
     source: Any = io.BytesIO(gzip.decompress(data)) if fmt.container == torch_io.GZIP else path
     return torch.load(source, weights_only=True, map_location="cpu")
-

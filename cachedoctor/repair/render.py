@@ -47,7 +47,7 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
             line = f"      {','.join(action.codes):<12} {display_path(action.path)}"
             if action.target is not None:
                 line += f"  <- {display_path(action.target.image)} ({action.target.format.container}, " \
-                        f"{action.target.format.dtype} {action.target.format.shape_of})"
+                        f"{action.target.format.dtype} {action.target.shape})"
             out.write(line + "\n")
         if len(actions) > LISTED and not verbose:
             out.write(f"      (+{len(actions) - LISTED} more; --verbose lists all)\n")

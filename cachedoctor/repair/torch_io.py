@@ -15,12 +15,11 @@ from typing import Any
 # object always gives the same bytes) or legacy.
 from cachedoctor.fixtures.latents import to_bytes as dumps
 from cachedoctor.formats import read_bytes
-from cachedoctor.formats.meta import TORCH_LEGACY, TORCH_ZIP, FileMeta
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts.entries import GZIP, LEGACY, TORCH_CONTAINERS, ZIP, container_of
 from cachedoctor.repair.errors import RepairError
 
 __all__ = ["GZIP", "LEGACY", "ZIP", "Unloadable", "checked", "container", "dumps", "load"]
-
-ZIP, GZIP, LEGACY = "zip", "gzip", "legacy"  # fixtures.latents.CONTAINERS: how SimpleTuner writes
 
 
 class Unloadable(RepairError):
@@ -29,10 +28,9 @@ class Unloadable(RepairError):
 
 def container(meta: FileMeta) -> str:
     """zip, gzip (gzip around a torch zip) or legacy; Unloadable for anything else."""
-    if meta.format == TORCH_ZIP:
-        return GZIP if meta.compression == "gzip" else ZIP
-    if meta.format == TORCH_LEGACY and meta.compression is None:
-        return LEGACY
+    kind = container_of(meta)
+    if kind in TORCH_CONTAINERS:
+        return kind
     wrapped = f"{meta.compression}+{meta.format}" if meta.compression else meta.format
     raise Unloadable(f"not a torch file this action can rewrite ({wrapped})")
 

@@ -41,6 +41,9 @@ def test_device_mismatch_repaired_on_the_gpu(ranks: int, tmp_path) -> None:
     assert result.details["before_repair"] == "loads"  # on a GPU host the cuda:N files do load
     assert math.isfinite(result.details["validation_loss"])
     assert result.codes == ()
+    fix, writer = result.details["repairs"]  # `cachedoctor fix`, then the corrected writer
+    assert "to-cpu" in fix["actions"] and fix["codes_after"] == [] and not fix["failed"]
+    assert fix["tensors_identical"] and writer["tensors_identical"] and fix["losses"] == writer["losses"]
 
 
 @pytest.mark.parametrize("ranks", RANKS)
@@ -50,3 +53,6 @@ def test_retained_batch_on_the_gpu(ranks: int, tmp_path) -> None:
     fixed = _run("retained-batch", "verify", ranks, tmp_path)
     assert fixed.ok and fixed.details["ratio"] == 1.0 and fixed.details["tensors_identical"], fixed.details
     assert fixed.loss == fixed.details["loss_before"]
+    fix, writer = fixed.details["repairs"]  # `cachedoctor fix`, then the corrected writer
+    assert "compact" in fix["actions"] and fix["codes_after"] == [] and not fix["failed"]
+    assert fix["losses"] == writer["losses"] == [fixed.details["loss_before"]] * ranks

@@ -65,6 +65,9 @@ def test_verify_text_output(tmp_path: Path) -> None:
     first, *rest = result.stdout.splitlines()
     assert first.startswith("device-mismatch  verify  cpu x2  OK")
     assert "  fixed    yes" in rest and any(line.startswith("  trained  yes, loss ") for line in rest)
+    assert any(line.startswith("  repair   cachedoctor fix (to-cpu 24): tensors bit-identical, scan clean, "
+                               "loss ") for line in rest), rest
+    assert any(line.startswith("  repair   corrected writer: tensors bit-identical, loss ") for line in rest)
     assert rest[-1] == f"1 of 1 scenarios did what `verify` promises; files in {tmp_path}"
 
 

@@ -2,7 +2,9 @@
 scan reports, and the training result.
 
 Each (scenario, mode) runs once per session; its tests read the same Result and files. The
-tests marked `awaits #3` need the SimpleTuner layout rules CD401/CD403/CD404.
+tests marked `awaits #3` need the SimpleTuner layout rules CD401/CD403/CD404. verify of
+retained-batch and device-mismatch repairs the buggy cache twice in turn, with `cachedoctor
+fix` and with the corrected writer (harness/repair.py), and shows both give the same cache.
 """
 
 from __future__ import annotations
@@ -148,6 +150,18 @@ def test_device_mismatch_repaired_cache_loads_and_validates(run) -> None:
     assert result.codes == ()
 
 
+def test_device_mismatch_cachedoctor_fix_and_the_corrected_writer_give_one_cache(run) -> None:
+    result = run("device-mismatch", "verify")
+    images = len(list(project_of(result).image_dir.glob("*.png")))
+    fix, writer = result.details["repairs"]
+    assert (fix["how"], writer["how"]) == ("cachedoctor fix", "corrected writer")
+    # every file held a cuda:N latent beside CPU conditioning: rewritten on the CPU, lossless
+    assert fix["actions"] == {"to-cpu": images} and not fix["failed"] and fix["codes_after"] == []
+    assert fix["tensors_identical"] and writer["tensors_identical"]
+    assert fix["losses"] == writer["losses"] and len(fix["losses"]) == RANKS
+    assert math.isfinite(fix["validation_loss"]) and fix["validation_loss"] == writer["validation_loss"]
+
+
 # retained-batch
 
 
@@ -170,6 +184,20 @@ def test_retained_batch_repair_is_lossless(run) -> None:
     assert fixed.details["tensors_identical"]
     assert fixed.loss == fixed.details["loss_before"] == buggy.loss  # bit-identical training
     assert fixed.codes == ()
+
+
+def test_retained_batch_cachedoctor_fix_and_the_corrected_writer_give_one_cache(run) -> None:
+    buggy, fixed = run("retained-batch", "reproduce"), run("retained-batch", "verify")
+    images = len(list(project_of(fixed).image_dir.glob("*.png")))
+    fix, writer = fixed.details["repairs"]
+    assert (fix["how"], writer["how"]) == ("cachedoctor fix", "corrected writer")
+    assert fix["actions"] == {"compact": images} and not fix["failed"] and fix["codes_after"] == []
+    for step in (fix, writer):
+        assert step["ratio"] == 1.0 and step["tensors_identical"], step
+        assert step["losses"] == [buggy.loss] * RANKS  # the loss of the clean cache, on every rank
+    assert fix["disk_bytes"] == writer["disk_bytes"] < fixed.details["before_disk_bytes"] / 2
+    # the fix went through the journal, as a user's `cachedoctor fix` does
+    assert (project_of(fixed).vae_cache_dir / ".cachedoctor" / "journal.sqlite").exists()
 
 
 # dir-overlap

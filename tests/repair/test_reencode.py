@@ -21,13 +21,9 @@ from cachedoctor.fixtures.clean import aitoolkit_metadata, kohya_arrays
 from cachedoctor.fixtures.images import write_png
 from cachedoctor.fixtures.latents import TinyVAE, image_batch, latent_batch
 from cachedoctor.formats import read_path
+from cachedoctor.images import load as load_image
 from cachedoctor.repair import build_plan, recover_caches, undo_run
-from cachedoctor.repair.encoders import (
-    EncoderError,
-    ReferenceEncoder,
-    load_image,
-    resolve,
-)
+from cachedoctor.repair.encoders import EncoderError, ReferenceEncoder, resolve
 from cachedoctor.repair.plan import QUARANTINE, REENCODE, Reencode
 from cachedoctor.repair.reencode import EntryFormat, NoFormat, ReencodeTarget, format_of, neighbour_format
 
@@ -110,7 +106,7 @@ def test_an_entry_without_a_known_image_is_only_quarantined(tmp_path: Path) -> N
 
 
 def trainer_targets(tmp_path: Path) -> list[tuple[ReencodeTarget, object]]:
-    """Missing entries (CD404) of each trainer, as their layouts will describe them, with the
+    """Missing entries (CD404) of each trainer, as their layouts describe them, with the
     loading call the trainer uses."""
     image = str(images_for(tmp_path / "images", 1, seed=7)[0])
     stem = "img_000"

@@ -11,8 +11,11 @@ On a CPU-only host the ranks stand in for GPU ranks (their storages carry `cuda:
 RankContext.gpu_stand_in), and the same files fail to load at the first training batch:
 "Attempting to deserialize object on a CUDA device but torch.cuda.is_available() is False".
 
-verify: the buggy cache is repaired (saved on the CPU by the corrected writer now, `cachedoctor
-fix`'s `to-cpu` once it exists) and validation moves what it reads to the model's device.
+verify: the buggy cache is repaired twice in turn (harness/repair.py): `cachedoctor fix`
+(`to-cpu`) on the buggy cache, then the corrected writer (saving on the CPU) over it; after each,
+every tensor is bit-identical to the buggy cache's (loaded onto the CPU), a scan is clean of
+CD501 and CD502, the cache trains with the same loss, and validation, which now moves what it
+reads to the model's device, runs.
 """
 
 from __future__ import annotations
@@ -46,28 +49,49 @@ def prepare(root: Path, ranks: int, mode: str) -> Project:
 
 def run_rank(ctx: RankContext) -> None:
     from cachedoctor.harness.data import load_entry
-    from cachedoctor.harness.pipeline import bucket_share, cache_latents, prepare_caches, sync_buckets, train_epoch
+    from cachedoctor.harness.pipeline import bucket_share, cache_latents, prepare_caches, sync_buckets
     from cachedoctor.harness.rank import describe
-    from cachedoctor.harness.repair import repair_cache
-    from cachedoctor.harness.training import new_model
+    from cachedoctor.harness.repair import repairs, tensor_digests
     from cachedoctor.harness.writers import LatentWriter
 
     samples = sync_buckets(ctx)
     share = bucket_share(ctx, samples)
     prepare_caches(ctx, samples, LatentWriter(to_cpu=False, gpu_stand_in=ctx.gpu_stand_in,
                                               with_conditioning=True))
-    if not ctx.buggy:
-        try:
-            load_entry(ctx.project.vae_cache_path(share[0].path))
-            ctx.note(before_repair="loads")
-        except RuntimeError as exc:
-            ctx.note(before_repair=describe(exc))
-        ctx.note(repair=repair_cache(ctx, lambda: cache_latents(
-            ctx, share, LatentWriter(with_conditioning=True), overwrite=True)))
+    if ctx.buggy:
+        train_and_validate(ctx, samples, share[0], move_cached=False)
+        return
+    paths = [ctx.project.vae_cache_path(s.path) for s in share]
+    try:
+        load_entry(paths[0])
+        ctx.note(before_repair="loads")
+    except RuntimeError as exc:
+        ctx.note(before_repair=describe(exc))
+    before = tensor_digests(paths)
+    done = []
+    rewrite = lambda: cache_latents(ctx, share, LatentWriter(with_conditioning=True), overwrite=True)  # noqa: E731
+    for how, repair in repairs(ctx, rewrite):
+        account = repair()
+        identical = tensor_digests(paths) == before
+        loss, validation = train_and_validate(ctx, samples, share[0], move_cached=True)
+        done.append({"how": how, **account, "identical": identical, "loss": loss,
+                     "validation_loss": validation})
+        ctx.note(repairs=done)
+
+
+def train_and_validate(ctx: RankContext, samples: list[Sample], sample: Sample, *,
+                       move_cached: bool) -> tuple[float, float | None]:
+    """An epoch on the cache, then the main process's validation: (loss, validation loss)."""
+    from cachedoctor.harness.pipeline import train_epoch
+    from cachedoctor.harness.training import new_model
+
     model = new_model(ctx.project.channels, ctx.device)
-    ctx.note(loss=train_epoch(ctx, model, samples, 0))
-    if ctx.main:
-        ctx.note(validation_loss=validate(ctx, model, share[0], move_cached=not ctx.buggy))
+    loss = train_epoch(ctx, model, samples, 0)
+    ctx.note(loss=loss)
+    validation = validate(ctx, model, sample, move_cached=move_cached) if ctx.main else None
+    if validation is not None:
+        ctx.note(validation_loss=validation)
+    return loss, validation
 
 
 def validate(ctx: RankContext, model: TinyDenoiser, sample: Sample, *, move_cached: bool) -> float:
@@ -95,19 +119,30 @@ def validate(ctx: RankContext, model: TinyDenoiser, sample: Sample, *, move_cach
 
 
 def observe(mode: str, launch: Launch) -> Observation:
+    from cachedoctor.harness.repair import FIX, WRITER, summarize
+
     error = launch.first_error
     losses = launch.notes("loss")
     validation = launch.notes("validation_loss")
     reproduced = bool(error and any(s in error.error for s in SIGNATURES))
     trained = not error and len(losses) == len(launch.outcomes)
-    details = {"validation_loss": validation[0] if validation else None}
+    details: dict = {"validation_loss": validation[0] if validation else None}
+    fixed = False
     if mode == "verify":
-        details.update(before_repair=(launch.notes("before_repair") or [None])[0],
-                       repair=(launch.notes("repair") or [None])[0])
+        done = launch.notes("repairs")
+        steps = summarize(done) if done and all(len(d) == len(done[0]) for d in done) else []
+        for i, step in enumerate(steps):
+            step["validation_loss"] = done[0][i]["validation_loss"]
+        details.update(before_repair=(launch.notes("before_repair") or [None])[0], repairs=steps)
+        fixed = (not error and [s["how"] for s in steps] == [FIX, WRITER]
+                 and all(s["tensors_identical"] and s["validation_loss"] is not None
+                         and math.isfinite(s["validation_loss"]) for s in steps)
+                 and steps[0]["losses"] == steps[1]["losses"]
+                 and not steps[0]["failed"] and not set(EXPECTED) & set(steps[0]["codes_after"]))
     return Observation(
         reproduced=reproduced,
         failure=error.error if error else None,
-        fixed=mode == "verify" and not error and bool(validation) and math.isfinite(validation[0]),
+        fixed=fixed,
         trained=trained,
         loss=losses[0] if losses else None,
         details=details,

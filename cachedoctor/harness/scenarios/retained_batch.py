@@ -6,13 +6,14 @@ issue). The files load and train correctly: the symptom is their size, measured 
 files themselves. Fixed upstream in a0a36db6a by saving `latents[i].clone()`.
 
 reproduce: the buggy writer, files measured, training on them (it works); scan: CD201.
-verify: the buggy cache, then the repair (corrected writer now, `cachedoctor fix` once it
-exists): sizes back to one latent each, every tensor bit-identical, the training loss identical.
+verify: the buggy cache, then both repairs in turn (harness/repair.py): `cachedoctor fix`
+(compact) on the buggy cache, then the corrected writer over it; after each, sizes back to one
+latent each, every tensor bit-identical to the buggy cache's, a scan clean of CD201 and the
+training loss identical to the buggy cache's (which trains correctly: only its size is wrong).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,7 @@ def run_rank(ctx: RankContext) -> None:
         sync_buckets,
         train_epoch,
     )
-    from cachedoctor.harness.repair import repair_cache
+    from cachedoctor.harness.repair import repairs
     from cachedoctor.harness.training import new_model
     from cachedoctor.harness.writers import LatentWriter
 
@@ -56,51 +57,61 @@ def run_rank(ctx: RankContext) -> None:
     ctx.note(before=before, loss_before=train_epoch(ctx, new_model(ctx.project.channels, ctx.device), samples, 0))
     if ctx.buggy:
         return
-    how = repair_cache(ctx, lambda: cache_latents(ctx, share, LatentWriter(), overwrite=True))
-    after = measure(ctx, share)
-    ctx.note(repair=how, after=after, identical=after["digests"] == before["digests"],
-             loss_after=train_epoch(ctx, new_model(ctx.project.channels, ctx.device), samples, 0))
+    done = []
+    for how, repair in repairs(ctx, lambda: cache_latents(ctx, share, LatentWriter(), overwrite=True)):
+        account = repair()
+        after = measure(ctx, share)
+        done.append({"how": how, **account, "after": after,
+                     "identical": after["digests"] == before["digests"],
+                     "loss": train_epoch(ctx, new_model(ctx.project.channels, ctx.device), samples, 0)})
+        ctx.note(repairs=done)
 
 
 def measure(ctx: RankContext, share: list) -> dict[str, Any]:
     """Bytes on disk, bytes of latent and bytes of stored storage of this rank's entries."""
     from cachedoctor.harness.data import load_entry
+    from cachedoctor.harness.repair import tensor_digests
 
     disk = used = stored = 0
-    digests = {}
-    for sample in share:
-        path = ctx.project.vae_cache_path(sample.path)
+    paths = [ctx.project.vae_cache_path(sample.path) for sample in share]
+    for path in paths:
         latent = load_entry(path)
         disk += os.path.getsize(path)
         used += latent.numel() * latent.element_size()
         stored += latent.untyped_storage().nbytes()
-        digests[path.name] = hashlib.sha256(latent.cpu().contiguous().numpy().tobytes()).hexdigest()
     return {"files": len(share), "disk_bytes": disk, "latent_bytes": used, "stored_bytes": stored,
-            "digests": digests}
+            "digests": tensor_digests(paths)}
 
 
 def observe(mode: str, launch: Launch) -> Observation:
+    from cachedoctor.harness.repair import FIX, WRITER, summarize
+
     error = launch.first_error
-    before, after = _total(launch.notes("before")), _total(launch.notes("after"))
-    state = before if mode == "reproduce" else after
-    ratio = state["stored_bytes"] / state["latent_bytes"] if state["latent_bytes"] else 0.0
+    before = _total(launch.notes("before"))
+    done = launch.notes("repairs")
+    steps = summarize(done) if done and all(len(d) == len(done[0]) for d in done) else []
+    for i, step in enumerate(steps):
+        step.update(_sizes(_total([d[i]["after"] for d in done])))
+    state = _sizes(before) if mode == "reproduce" or not steps else steps[-1]
+    ratio = state["ratio"]
     reproduced = ratio >= OVERSIZE
     symptom = (f"{state['files']} latent files take {state['disk_bytes']:,} B on disk for "
                f"{state['latent_bytes']:,} B of latents: each stores its whole VAE batch (x{ratio:.1f})")
-    losses = launch.notes("loss_before" if mode == "reproduce" else "loss_after")
-    details: dict[str, Any] = {"ratio": round(ratio, 2), "disk_bytes": state["disk_bytes"],
+    loss_before = launch.notes("loss_before")
+    losses = loss_before if mode == "reproduce" else (steps[-1]["losses"] if steps else [])
+    details: dict[str, Any] = {"ratio": ratio, "disk_bytes": state["disk_bytes"],
                                "latent_bytes": state["latent_bytes"]}
     fixed = False
     if mode == "verify":
-        before_ratio = before["stored_bytes"] / before["latent_bytes"] if before["latent_bytes"] else 0.0
-        loss_before = launch.notes("loss_before")
-        identical = launch.notes("identical")
-        details.update(before_ratio=round(before_ratio, 2), before_disk_bytes=before["disk_bytes"],
+        details.update(before_ratio=_sizes(before)["ratio"], before_disk_bytes=before["disk_bytes"],
                        loss_before=loss_before[0] if loss_before else None,
-                       tensors_identical=bool(identical) and all(identical),
-                       repair=(launch.notes("repair") or [None])[0])
-        fixed = (not error and before_ratio >= OVERSIZE and ratio == 1.0
-                 and details["tensors_identical"] and bool(losses) and losses == loss_before)
+                       tensors_identical=bool(steps) and all(s["tensors_identical"] for s in steps),
+                       repairs=steps)
+        fixed = (not error and details["before_ratio"] >= OVERSIZE and [s["how"] for s in steps]
+                 == [FIX, WRITER] and all(
+                     s["ratio"] == 1.0 and s["tensors_identical"] and s["losses"] == loss_before
+                     for s in steps)
+                 and not steps[0]["failed"] and not set(EXPECTED) & set(steps[0]["codes_after"]))
     if error:
         details["error"] = error.error
     return Observation(
@@ -118,3 +129,10 @@ def _total(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {k: sum(r[k] for r in per_rank) for k in keys}
     total["digests"] = {k: v for r in per_rank for k, v in r["digests"].items()}
     return total
+
+
+def _sizes(total: dict[str, Any]) -> dict[str, Any]:
+    """The sizes of a cache and how far its stored storage exceeds its latents."""
+    ratio = total["stored_bytes"] / total["latent_bytes"] if total["latent_bytes"] else 0.0
+    return {"files": total["files"], "disk_bytes": total["disk_bytes"],
+            "latent_bytes": total["latent_bytes"], "ratio": round(ratio, 2)}
