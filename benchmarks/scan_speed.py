@@ -128,6 +128,10 @@ def main() -> None:
               f"(built in {time.perf_counter() - t0:.0f} s); {cores} cores")
         _read_tail(paths)  # warm the page cache: every figure below is warm
         targets = [os.path.join(root, c) for c in CACHES]
+        empty = tempfile.mkdtemp(prefix="cachedoctor-bench-empty-")
+        startup = min(timed_scan([empty], 1)[0] for _ in range(REPEATS))
+        os.rmdir(empty)
+        print(f"start-up (scan of an empty dir): {startup:.2f} s")
         rows = []
         for jobs in sorted({1, cores}):
             # best of REPEATS for each, interleaved, so a busy moment of the machine hits all three
@@ -143,8 +147,11 @@ def main() -> None:
               f"{'scan vs load':>13} {'scan vs tail':>13}")
         n = len(paths)
         for jobs, scan_s, load_s, tail_s, counts in rows:
+            steady = scan_s - startup
             print(f"{jobs:>5} {n / scan_s:>13,.0f} {n / load_s:>13,.0f} {n / tail_s:>12,.0f} "
                   f"{load_s / scan_s:>12.1f}x {scan_s / tail_s:>12.1f}x slower")
+            print(f"      without start-up: {n / steady:,.0f} files/s, {load_s / steady:.1f}x "
+                  f"torch.load, {steady / tail_s:.1f}x slower than read-tail")
             print(f"      findings on the clean cache: {counts}")
         part = [os.path.join(root, CACHES[0], "part000")]
         small, full = peak_rss_kib(part, cores), peak_rss_kib(targets, cores)
