@@ -28,9 +28,9 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
     roots = plan.roots
     if plan.actions:
         out.write(f"Plan: {len(plan.actions)} action{'s' * (len(plan.actions) != 1)} in "
-                  f"{len(roots)} cache{'s' * (len(roots) != 1)}: the caches shrink by "
-                  f"{human_bytes(plan.expected_freed_size)}, {human_bytes(plan.bytes_rewritten)} "
-                  "rewritten\n")
+                  f"{len(roots)} cache{'s' * (len(roots) != 1)}: the cache files shrink by "
+                  f"{human_bytes(plan.expected_freed_size)} (the originals stay in the quarantine "
+                  f"until you delete it), {human_bytes(plan.bytes_rewritten)} rewritten\n")
     for kind in KINDS:
         actions = plan.of_kind(kind)
         if not actions:
@@ -39,7 +39,8 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
         if kind in (COMPACT, TO_CPU):
             sizes.append(f"rewrites {human_bytes(sum(a.rewritten for a in actions))}")
         if kind != REENCODE:
-            sizes.append(f"frees {'~' * (kind == COMPACT)}{human_bytes(sum(a.freed for a in actions))}")
+            sizes.append(f"cache files shrink by {'~' * (kind == COMPACT)}"
+                         f"{human_bytes(sum(a.freed for a in actions))}")
         else:
             sizes.append(f"encoder {plan.encoder.spec if plan.encoder else '?'}")
         out.write(f"  {kind:<11} {_files(len(actions)):<10} {WHAT[kind]}; {', '.join(sizes)}\n")
