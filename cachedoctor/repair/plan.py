@@ -4,7 +4,7 @@
 (apply.py). Where several findings name one file, one action serves them all: quarantine wins
 (a broken or hostile file is never loaded), then compact (which also stores every tensor on the
 CPU), then to-cpu. Findings without an automatic fix become notes (with the config edit, where
-the finding carries one in `details["edit"]`).
+the finding carries one in `details["change"]`, with its `line`).
 
 Under --reencode (`Reencode`), every quarantined entry that DESIGN.md §4 marks "(+ re-encode)"
 and every image without its entry (CD404) gets a reencode action: the trainer's layout names the
@@ -138,7 +138,9 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
     notes: list[Note] = []
     for finding in report.findings:
         if finding.fix is None:
-            notes.append(Note(finding.code, finding.path, finding.message, finding.details.get("edit")))
+            change, line = finding.details.get("change"), finding.details.get("line")
+            edit = f"line {line}: {change}" if change and line else change
+            notes.append(Note(finding.code, finding.path, finding.message, edit))
         elif finding.fix == REENCODE and finding.code == missing_cache_entries.RULE.code:
             if reencode is None:
                 notes.append(_skip(finding.code, finding.path, "missing: `--reencode --encoder "
