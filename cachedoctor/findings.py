@@ -131,9 +131,6 @@ class Report:
     def reclaimable_bytes(self) -> int:
         return sum(int(f.details.get("wasted_bytes", 0)) for f in self.findings)
 
-    def worst(self) -> Severity | None:
-        return max((f.severity for f in self.findings), default=None)
-
     def fails(self, fail_on: str) -> bool:
         """True when a finding is at or above `fail_on` (`never` never fails)."""
         if fail_on == "never":

@@ -76,10 +76,6 @@ class FileSource:
             return self._tail[offset - self._tail_at : end - self._tail_at]
         return self._read(offset, end - offset)
 
-    @property
-    def head(self) -> bytes:
-        return self._head
-
 
 def open_source(path: str) -> tuple[int, FileSource]:
     """Open `path` for reading; the caller closes the returned descriptor.

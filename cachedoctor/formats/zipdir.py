@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cachedoctor.formats.source import Source
+from cachedoctor.formats.source import WINDOW, Source
 
 EOCD_SIG = b"PK\x05\x06"
 ZIP64_LOCATOR_SIG = b"PK\x06\x07"
@@ -59,14 +59,6 @@ class ZipDirectory:
     cd_offset: int
     trailing_bytes: int  # bytes after the end record (torch ignores them)
 
-    def get(self, name: str) -> ZipEntry | None:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        return None
-
-    def by_name(self) -> dict[str, ZipEntry]:
-        return {e.name: e for e in self.entries}
 
 
 def _find_eocd(src: Source) -> tuple[int, bytes]:
@@ -114,7 +106,7 @@ def read_directory(src: Source) -> ZipDirectory:
     if whole is not None:
         base, tail = 0, whole
     else:
-        base = max(0, size - 64 * 1024)
+        base = max(0, size - WINDOW)  # the tail FileSource keeps in memory
         tail = src.pread(base, size - base)
     at = size - EOCD.size - base
     if tail[at : at + 4] == EOCD_SIG and tail[at + 20 : at + 22] == b"\0\0":

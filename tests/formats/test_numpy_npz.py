@@ -162,7 +162,7 @@ def _flip_in_member(blob: bytes, member: str, at_from_end: int) -> bytes:
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         info = z.getinfo(member)
     src = BytesSource(blob)
-    entry = read_directory(src).get(member)
+    entry = next((e for e in read_directory(src).entries if e.name == member), None)
     assert entry is not None and entry.header_offset == info.header_offset
     where = entry.data_offset + entry.compressed_size - at_from_end
     damaged = bytearray(blob)
