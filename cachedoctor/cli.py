@@ -75,10 +75,10 @@ def scan(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
-    from cachedoctor.reporters import REPORTERS
+    from cachedoctor.reporters import FORMATS, reporter
 
-    if fmt not in REPORTERS:
-        raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(REPORTERS)}")
+    if fmt not in FORMATS:
+        raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if fail_on is not None and fail_on not in ("error", "warning", "info", "never"):
         raise fail(f"unknown --fail-on {fail_on!r}: expected error, warning, info or never")
     _check_jobs(jobs)
@@ -101,8 +101,8 @@ def scan(
             known = baselines.Baseline.load(policy.baseline)
     except (configuration.ConfigError, baselines.BaselineError) as exc:
         raise fail(str(exc)) from None
-    reporter = REPORTERS[fmt]
-    options = dataclasses.replace(policy.options, keep_paths=getattr(reporter, "NEEDS_PATHS", False))
+    chosen = reporter(fmt)
+    options = dataclasses.replace(policy.options, keep_paths=getattr(chosen, "NEEDS_PATHS", False))
     progress = _Progress() if (fmt == "text" or output) and sys.stderr.isatty() else None
     try:
         report = run_scan(
@@ -128,7 +128,7 @@ def scan(
         if result.known or result.fixed:
             typer.echo(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
                        f"not shown, {result.fixed:,} of its entries no longer found", err=True)
-    _emit(report, reporter, output, verbose)
+    _emit(report, chosen, output, verbose)
     raise typer.Exit(0 if write_baseline is not None else report.exit_code(policy.fail_on))
 
 

@@ -146,23 +146,26 @@ def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
 
 
 def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
-    # a small torch file laid out like one already read needs no directory parse (not --deep,
-    # which checks the CRCs a template leaves out)
-    whole = None if deep else src.buffer
-    seen = zip_templates.match(whole) if whole is not None else None
+    # a torch file laid out like one already read needs no directory parse (not --deep, which
+    # checks the CRCs a template leaves out), and one that also holds the same data.pkl no read
+    windows = None if deep else src.windows
+    seen = zip_templates.match(src.size, windows) if windows is not None else None
     if seen is not None:
-        directory, prefix = seen
-        return torch_zip.read(src, path, deep, directory, prefix=prefix)
+        template, prefix = seen
+        twin = template.twin(windows, path)
+        if twin is not None:
+            return twin
+        return torch_zip.read(src, path, deep, template.directory, prefix=prefix)
     try:
         directory = read_directory(src)
     except ZipError as exc:
         fmt = NPZ if extension_format(path) == NPZ else TORCH_ZIP
         return FileMeta(path, src.size, fmt, errors=(str(exc),))
     names = [e.name for e in directory.entries]
-    if whole is not None and names and names[0].endswith("/data.pkl"):
+    if windows is not None and names and names[0].endswith("/data.pkl"):
         meta = torch_zip.read(src, path, deep, directory)
         if meta.ok:
-            zip_templates.remember(whole, directory)
+            zip_templates.remember(src.size, windows, directory, meta)
         return meta
     if names and all(n.endswith(".npy") for n in names):
         return numpy_npz.read(src, path, deep, directory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from math import prod
+from operator import attrgetter
 from types import MappingProxyType
 
 # Formats a reader can report. `compression` says what wraps them (only "gzip" today).
@@ -107,6 +108,10 @@ class FileMeta:
         values[list(self.__dataclass_fields__).index("metadata")] = dict(self.metadata)
         return (FileMeta, tuple(values))
 
+    def renamed(self, path: str) -> FileMeta:
+        """The same facts for a file at `path` whose bytes say the same (zip_templates)."""
+        return FileMeta(path, *_ALL_BUT_PATH(self))
+
     @property
     def ok(self) -> bool:
         return not self.errors
@@ -126,3 +131,6 @@ class FileMeta:
     @property
     def locations(self) -> tuple[str, ...]:
         return tuple(sorted({t.location for t in self.tensors}))
+
+
+_ALL_BUT_PATH = attrgetter(*[f for f in FileMeta.__dataclass_fields__ if f != "path"])

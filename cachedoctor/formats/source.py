@@ -15,9 +15,13 @@ WHOLE_FILE_LIMIT = 256 * 1024
 WINDOW = 64 * 1024
 
 
+Window = tuple[int, bytes]  # (offset, the bytes there)
+
+
 class Source(Protocol):
     size: int
     buffer: bytes | None  # every byte, when they are all in memory anyway
+    windows: tuple[Window, ...]  # what is in memory: the whole file, or its head and tail
 
     def pread(self, offset: int, n: int) -> bytes:
         """Up to n bytes at offset; fewer at the end of the data, never an error for a range."""
@@ -28,6 +32,7 @@ class BytesSource:
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         self.buffer = data if isinstance(data, bytes) else bytes(data)
         self.size = len(self.buffer)
+        self.windows = ((0, self.buffer),)
 
     def pread(self, offset: int, n: int) -> bytes:
         if offset < 0 or n <= 0:
@@ -47,10 +52,12 @@ class FileSource:
         if size <= WHOLE_FILE_LIMIT:
             self._head = self.buffer = self._read(0, size)
             self._tail_at, self._tail = size, b""
+            self.windows: tuple[Window, ...] = ((0, self._head),)
         else:
             self._head = self._read(0, WINDOW)
             self._tail_at = size - WINDOW
             self._tail = self._read(self._tail_at, WINDOW)
+            self.windows = ((0, self._head), (self._tail_at, self._tail))
 
     def _read(self, offset: int, n: int) -> bytes:
         # lseek + read rather than pread: same cost here, and pyfakefs (our tests) fakes them

@@ -30,6 +30,8 @@ from cachedoctor.formats.zipdir import STORED, ZipDirectory, ZipEntry, crc_misma
 # Files of one cache mostly share their data.pkl byte for byte (same structure, shape, dtype),
 # so its analysis is kept per worker, keyed by the bytes and the stored record sizes.
 MEMO_PICKLE_BYTES = 64 * 1024
+# Every record a read looks at besides the storages (byteorder only with --deep).
+READ_RECORDS = frozenset({"data.pkl", "version", ".data/version", "byteorder"})
 
 
 @dataclass(frozen=True, slots=True)

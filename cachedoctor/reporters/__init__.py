@@ -2,10 +2,20 @@
 
 A reporter that lists every file checked (junit) sets `NEEDS_PATHS = True`: the scan then keeps
 the paths (`ScanOptions.keep_paths`), which it otherwise does not, to keep memory flat.
+Only the chosen reporter is imported: a scan's start-up should not pay for sarif's rule
+catalogue or junit's XML.
 """
 
 from __future__ import annotations
 
-from cachedoctor.reporters import github, json, junit, sarif, text
+import importlib
+from types import ModuleType
 
-REPORTERS = {"text": text, "json": json, "sarif": sarif, "github": github, "junit": junit}
+FORMATS = ("text", "json", "sarif", "github", "junit")
+
+
+def reporter(fmt: str) -> ModuleType:
+    """The reporter module of `fmt` (one of FORMATS)."""
+    if fmt not in FORMATS:
+        raise KeyError(fmt)
+    return importlib.import_module(f"cachedoctor.reporters.{fmt}")

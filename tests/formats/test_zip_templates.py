@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,74 @@ def test_real_files_through_read_path(tmp_path) -> None:
     assert zip_templates._count == 1
     os.truncate(paths[3], 900)
     assert not read_path(paths[3]).ok
+
+
+def test_files_with_the_same_records_take_the_reader_s_result_at_their_own_path(monkeypatch, tmp_path) -> None:
+    import cachedoctor.formats as formats
+    from cachedoctor.formats import read_path
+
+    reads = []
+    real = formats.torch_zip.read
+    monkeypatch.setattr(formats.torch_zip, "read", lambda *a, **k: reads.append(1) or real(*a, **k))
+    paths = []
+    for i in range(6):
+        path = tmp_path / f"{i:032x}.pt"  # one stem length: one layout; serialization_id differs
+        torch.save({"latent": torch.randn(4, 8, 8).half(), "original_size": (64, 64)}, path)
+        paths.append(str(path))
+    metas = [read_path(p) for p in paths]
+    assert len(reads) == 1  # only the first file went through the torch reader
+    for path, meta in zip(paths, metas, strict=True):
+        assert meta.path == path and meta.mtime == os.stat(path).st_mtime
+        assert fields(meta) == fields(slow(Path(path).read_bytes(), path))
+    # a different data.pkl (another original_size) is read, with the directory of the template
+    torch.save({"latent": torch.randn(4, 8, 8).half(), "original_size": (64, 72)}, paths[2])
+    before = len(reads)
+    meta = read_path(paths[2])
+    assert len(reads) == before + 1 and meta.ok and meta.path == paths[2]
+
+
+def _big(path, value: float) -> None:
+    torch.save({"latent": torch.full((16, 96, 96), value).half()}, path)  # 295 KB: head + tail
+
+
+def test_files_too_big_to_read_whole_match_on_their_head_and_tail(monkeypatch, tmp_path) -> None:
+    import cachedoctor.formats as formats
+    from cachedoctor.formats import read_path
+    from cachedoctor.formats.source import WHOLE_FILE_LIMIT
+
+    parsed = []
+    real = formats.read_directory
+    monkeypatch.setattr(formats, "read_directory", lambda src: parsed.append(1) or real(src))
+    paths = [str(tmp_path / f"{i:08x}.pt") for i in range(4)]
+    for i, path in enumerate(paths):
+        _big(path, float(i))
+    assert os.path.getsize(paths[0]) > WHOLE_FILE_LIMIT
+    metas = [read_path(p) for p in paths]
+    assert len(parsed) == 1 and zip_templates._count == 1
+    assert all(m.ok and m.tensors[0].shape == (16, 96, 96) for m in metas)
+    assert [m.path for m in metas] == paths
+
+
+def test_a_damaged_structural_byte_of_a_big_file_reads_as_without_templates(tmp_path) -> None:
+    from cachedoctor.formats import read_path
+    from cachedoctor.formats.source import WINDOW, BytesSource
+    from cachedoctor.formats.zipdir import read_directory
+
+    first, other = str(tmp_path / "aaaaaaaa.pt"), str(tmp_path / "bbbbbbbb.pt")
+    _big(first, 1.0)
+    _big(other, 2.0)
+    read_path(first)  # the template
+    assert zip_templates._count == 1
+    good = Path(other).read_bytes()
+    entries = read_directory(BytesSource(good)).entries
+    storage = next(e for e in entries if e.name.endswith("/data/0"))
+    # every byte of the head and tail windows but the storage's payload (a flipped payload
+    # byte is found only by --deep, with or without templates)
+    spots = [at for at in [*range(WINDOW), *range(len(good) - WINDOW, len(good))]
+             if not storage.data_offset <= at < storage.data_offset + storage.compressed_size]
+    damaged_path = str(tmp_path / "cccccccc.pt")
+    for at in spots:
+        damaged = good[:at] + bytes([good[at] ^ 0x5A]) + good[at + 1 :]
+        with open(damaged_path, "wb") as f:
+            f.write(damaged)
+        assert fields(read_path(damaged_path)) == fields(slow(damaged, damaged_path)), at
