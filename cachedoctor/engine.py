@@ -33,8 +33,10 @@ from cachedoctor.summary import (
     CACHE_SIDE,
     IMAGE_SIDE,
     LISTED_SIDE,
+    Content,
     CoverageRow,
     SummaryStore,
+    content,
     encode,
     summarize,
 )
@@ -92,6 +94,25 @@ def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
             gc.enable()
 
 
+# What the file rules and summarize() made of a file whose facts later files share (FileMeta
+# .same_as), per role, area and dataset: those files get the same verdict, re-addressed,
+# instead of running every rule again. Rules may look at a latent's or text file's facts and
+# its entry, never its path or mtime (rule.py); other roles (temp files, images) always run.
+# Verdicts hold for one scan's options, rules and datasets (`_verdicts_for`, by identity).
+_verdicts: dict[tuple, tuple[FileMeta, list[Finding], Content | None]] = {}
+_verdicts_for: tuple = ()
+MAX_VERDICTS = 1024
+SHARED_ROLES = (LATENT, TEXT)
+
+
+def _scope_verdicts(*scan: object) -> None:
+    global _verdicts_for
+    if len(scan) != len(_verdicts_for) or any(
+            a is not b for a, b in zip(scan, _verdicts_for, strict=True)):
+        _verdicts.clear()
+        _verdicts_for = scan
+
+
 def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                  datasets: Mapping[str, Dataset] | None) -> ChunkResult:
     findings: list[Finding] = []
@@ -106,17 +127,29 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                                                                 batch.area)
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
+    _scope_verdicts(options, rules, datasets)
     for entry in batch.entries(options.exclude):
         files += 1
         if options.keep_paths:
             paths.append(entry.path)
         meta = read_entry(entry, deep)
         nbytes += meta.size
-        ctx = RuleContext(deep, entry.dataset, settings, entry, dataset)
-        for check in checks:
-            found = check(meta, ctx)
-            if found is not None:
-                findings.append(found)
+        same = meta.same_as
+        verdict = None
+        if same is not None and entry.role in SHARED_ROLES:
+            seen = (id(same), entry.role, entry.area, entry.dataset, entry.bucket)
+            verdict = _verdicts.get(seen)
+            if verdict is None or verdict[0] is not same:
+                verdict = (same, _run(checks, meta, entry, deep, settings, dataset),
+                           content(entry.role, meta))
+                if len(_verdicts) >= MAX_VERDICTS:
+                    _verdicts.clear()
+                _verdicts[seen] = verdict
+            for found in verdict[1]:
+                findings.append(found if found.path == meta.path
+                                else dataclasses.replace(found, path=meta.path))
+        else:
+            findings.extend(_run(checks, meta, entry, deep, settings, dataset))
         facts = None
         if entry.error is None:
             if entry.role == IMAGE_ROLE:
@@ -129,10 +162,21 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                 if facts.key is not None:
                     coverage.append((key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0,
                                      facts.naming))
-        summary = summarize(entry, meta, facts)
+        summary = summarize(entry, meta, facts, verdict[2] if verdict else None)
         if summary is not None:
             summaries.append(encode(summary))
     return ChunkResult(files, nbytes, findings, summaries, paths, coverage)
+
+
+def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mapping,
+         dataset: Dataset | None) -> list[Finding]:
+    ctx = RuleContext(deep, entry.dataset, settings, entry, dataset)
+    found = []
+    for check in checks:
+        finding = check(meta, ctx)
+        if finding is not None:
+            found.append(finding)
+    return found
 
 
 # The pool's workers get the options, rules and datasets once, at start-up, not with every

@@ -96,13 +96,22 @@ def content_role(entry_role: str, meta: FileMeta) -> str:
     return entry_role
 
 
-def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None) -> FileSummary | None:
-    """The summary of a readable tensor file, or None for anything else. `facts` (from the
-    trainer's naming) give a latent's bucket and expected size; without them the walk's
-    folder bucket stands."""
+class Content(NamedTuple):
+    """The facts of a summary that come from the file's bytes alone (files with the same
+    facts, zip_templates' twins, share them)."""
+
+    role: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    signature: tuple[tuple[str, int | None], ...]
+    locations: tuple[str, ...]
+
+
+def content(entry_role: str, meta: FileMeta) -> Content | None:
+    """What a readable tensor file of `entry_role` holds, or None when it gets no summary."""
     if not meta.ok or not meta.is_tensor_file or not meta.tensors:
         return None
-    role = content_role(entry.role, meta)
+    role = content_role(entry_role, meta)
     if role not in (LATENT, TEXT):
         return None
     latent = primary_latent(meta) if role == LATENT else None
@@ -115,12 +124,23 @@ def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None) -> 
     first = latent or meta.tensors[0]
     tensors = meta.tensors
     locations = (tensors[0].location,) if len(tensors) == 1 else meta.locations
+    return Content(role, latent.shape if latent else None, first.dtype, signature, locations)
+
+
+def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
+              known: Content | None = None) -> FileSummary | None:
+    """The summary of a readable tensor file, or None for anything else. `facts` (from the
+    trainer's naming) give a latent's bucket and expected size; without them the walk's
+    folder bucket stands. `known`: the file's content(), when the caller has it already."""
+    held = known if known is not None else content(entry.role, meta)
+    if held is None:
+        return None
     bucket, expected, family = entry.bucket, None, None
-    if facts is not None and role == LATENT:
+    if facts is not None and held.role == LATENT:
         bucket, expected, family = facts.bucket, facts.expected, facts.family
-    return FileSummary(entry.path, entry.dataset, bucket, role, meta.format, meta.size,
-                       meta.mtime, latent.shape if latent else None, first.dtype, signature,
-                       locations, expected, family)
+    return FileSummary(entry.path, entry.dataset, bucket, held.role, meta.format, meta.size,
+                       meta.mtime, held.shape, held.dtype, held.signature, held.locations,
+                       expected, family)
 
 
 class SummaryStore:

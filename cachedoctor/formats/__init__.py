@@ -152,10 +152,13 @@ def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
     seen = zip_templates.match(src.size, windows) if windows is not None else None
     if seen is not None:
         template, prefix = seen
-        twin = template.twin(windows, path)
+        records = template.record_bytes(windows)
+        twin = template.twin(records, path)
         if twin is not None:
             return twin
-        return torch_zip.read(src, path, deep, template.directory, prefix=prefix)
+        meta = torch_zip.read(src, path, deep, template.directory, prefix=prefix)
+        template.learn(records, meta)
+        return meta
     try:
         directory = read_directory(src)
     except ZipError as exc:

@@ -97,6 +97,9 @@ class FileMeta:
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     deep: bool = False  # whether CRC and values were read
     mtime: float = 0.0  # from the fstat of the open file (read_path sets it)
+    # an earlier file whose facts these are, but for path and mtime (zip_templates): whoever
+    # judges files may reuse what it found for that one
+    same_as: FileMeta | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, MappingProxyType):
@@ -110,7 +113,7 @@ class FileMeta:
 
     def renamed(self, path: str) -> FileMeta:
         """The same facts for a file at `path` whose bytes say the same (zip_templates)."""
-        return FileMeta(path, *_ALL_BUT_PATH(self))
+        return FileMeta(path, *_FACTS(self), same_as=self.same_as or self)
 
     @property
     def ok(self) -> bool:
@@ -133,4 +136,4 @@ class FileMeta:
         return tuple(sorted({t.location for t in self.tensors}))
 
 
-_ALL_BUT_PATH = attrgetter(*[f for f in FileMeta.__dataclass_fields__ if f != "path"])
+_FACTS = attrgetter(*[f for f in FileMeta.__dataclass_fields__ if f not in ("path", "same_as")])

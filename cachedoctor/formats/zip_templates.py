@@ -14,12 +14,12 @@ central directory last, so a file of one large storage qualifies. Payloads
 (data.pkl, the version record) are still read and checked by the torch reader as usual, and
 --deep never uses templates, since CRCs are what it checks.
 
-A template also keeps its first file's FileMeta and the bytes of the records the torch reader
-reads (torch_zip.READ_RECORDS: data.pkl, version, byteorder). Those and the directory are all
-a read without --deep looks at, so a file that matches the layout and holds the same bytes in
-them (a cache of one shape and dtype, bare tensors above all) has that same FileMeta but for
-its path: the reader is skipped too. (Records it never reads, such as the serialization_id
-torch makes unique per save, may differ.)
+A template also keeps the sound FileMetas of its files, by the bytes of the records the torch
+reader reads (torch_zip.READ_RECORDS: data.pkl, version, byteorder). Those and the directory
+are all a read without --deep looks at, so a file that matches the layout and holds the same
+bytes in them (a cache of one shape and dtype, bare tensors above all) has that same FileMeta
+but for its path: the reader is skipped too. (Records it never reads, such as the
+serialization_id torch makes unique per save, may differ.)
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from cachedoctor.formats.zipdir import LOCAL, ZipDirectory
 
 MAX_TEMPLATES = 256
 MAX_PER_SIZE = 8
+MAX_TWINS = 64  # FileMetas kept per template (distinct data.pkl bytes)
 DESCRIPTOR_SIG = b"PK\x07\x08"
 CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
 class Template:
-    __slots__ = ("directory", "meta", "patterns", "records")
+    __slots__ = ("directory", "patterns", "records", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
-                 directory: ZipDirectory, meta: FileMeta,
-                 records: tuple[tuple[int, int, int, bytes], ...]) -> None:
+                 directory: ZipDirectory, records: tuple[tuple[int, int, int], ...]) -> None:
         self.patterns = patterns  # (window offset, window length, pattern) per window
         self.directory = directory
-        self.meta = meta  # the first file's (sound) FileMeta
-        self.records = records  # (window, start, end, bytes) of each record the reader reads
+        self.records = records  # (window, start, end) of each record the reader reads
+        self.twins: dict[bytes, FileMeta] = {}  # by records(): a sound file's FileMeta
 
     def prefix(self, windows: tuple[Window, ...]) -> str | None:
         """This file's archive prefix if `windows` match the layout, else None."""
@@ -67,13 +67,20 @@ class Template:
                 prefix = own
         return None if prefix is None else prefix.decode("utf-8", "replace")
 
-    def twin(self, windows: tuple[Window, ...], path: str) -> FileMeta | None:
-        """The FileMeta of a file whose `windows` matched this layout when the records the
-        reader reads hold the first file's bytes: the first file's, at `path`. Else None."""
-        for window, start, end, payload in self.records:
-            if windows[window][1][start:end] != payload:
-                return None
-        return self.meta.renamed(path)
+    def record_bytes(self, windows: tuple[Window, ...]) -> bytes:
+        """The bytes of the records the reader reads, of a file that matched this layout
+        (one fixed length each, so the concatenation is unambiguous)."""
+        return b"".join([windows[w][1][start:end] for w, start, end in self.records])
+
+    def twin(self, records: bytes, path: str) -> FileMeta | None:
+        """The FileMeta of the file at `path` if a file with these record bytes was read."""
+        known = self.twins.get(records)
+        return None if known is None else known.renamed(path)
+
+    def learn(self, records: bytes, meta: FileMeta) -> None:
+        """Keep the FileMeta of a file of this layout that read sound."""
+        if meta.ok and len(self.twins) < MAX_TWINS:
+            self.twins[records] = meta
 
 
 _templates: dict[int, list[Template]] = {}
@@ -99,8 +106,9 @@ def remember(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
     same_size = _templates.setdefault(size, [])
     if _count >= MAX_TEMPLATES or len(same_size) >= MAX_PER_SIZE or not directory.entries:
         return
-    template = _build(size, windows, directory, meta)
+    template = _build(size, windows, directory)
     if template is not None:
+        template.learn(template.record_bytes(windows), meta)
         same_size.append(template)
         _count += 1
 
@@ -116,16 +124,14 @@ def _bytes_at(windows: tuple[Window, ...], start: int, n: int) -> bytes:
     raise _Outside
 
 
-def _build(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
-           meta: FileMeta) -> Template | None:
+def _build(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Template | None:
     try:
-        return _make(size, windows, directory, meta)
+        return _make(size, windows, directory)
     except (_Outside, struct.error):
         return None
 
 
-def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
-          meta: FileMeta) -> Template | None:
+def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Template | None:
     first = directory.entries[0].name
     slash = first.find("/")
     if slash <= 0 or not first[:slash].isascii():
@@ -195,9 +201,9 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
                           if at <= start and end <= at + len(data)), None)
             if index is None:
                 return None
-            at, data = windows[index]
-            records.append((index, start - at, end - at, data[start - at : end - at]))
-    return Template(tuple(patterns), directory, meta, tuple(records))
+            at = windows[index][0]
+            records.append((index, start - at, end - at))
+    return Template(tuple(patterns), directory, tuple(records))
 
 
 def _payload_only(holes: list[tuple[int, int, str]], start: int, end: int) -> bool:

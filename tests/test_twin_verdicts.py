@@ -1,0 +1,83 @@
+"""Files whose facts are a twin's (zip_templates) reuse the twin's verdict: each still gets its
+own findings at its own path, and a verdict never outlives the scan's options."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.checks import RULES
+from cachedoctor.fixtures import BUILDERS, clean
+from cachedoctor.formats import read_path
+from cachedoctor.inventory import LATENT, TEXT, Entry
+from cachedoctor.rule import RuleContext
+
+from conftest import by_code, scan_paths
+
+torch = pytest.importorskip("torch")
+
+
+def retained_twins(cache: Path, batches: int = 3, size: int = 4) -> list[Path]:
+    """torch.save(batch[i]) for several batches: the files of one row i hold the same
+    data.pkl (same shape, same storage offset), so they are twins of each other."""
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for b in range(batches):
+        batch = torch.randn(size, 4, 16, 16, generator=gen).half()  # 2 KiB a row
+        for i in range(size):
+            path = cache / f"{b:04d}{i:04d}.pt"
+            torch.save(batch[i], path)
+            paths.append(path)
+    return paths
+
+
+def test_every_twin_gets_its_own_finding(cache: Path, monkeypatch) -> None:
+    import cachedoctor.engine as engine
+
+    paths = retained_twins(cache)
+    metas = [read_path(str(p)) for p in paths]
+    assert sum(m.same_as is not None for m in metas) == len(paths) - 4  # all but a row's first
+    report = scan_paths(cache)
+    fired = by_code(report, "CD201")
+    assert sorted(f.path for f in fired) == sorted(str(p) for p in paths)
+    monkeypatch.setattr(engine, "SHARED_ROLES", ())  # every file judged on its own
+    assert scan_paths(cache).findings == report.findings
+
+
+def test_a_verdict_holds_for_one_scan_s_settings(cache: Path) -> None:
+    paths = retained_twins(cache)
+    assert len(by_code(scan_paths(cache), "CD201")) == len(paths)
+    strict = scan_paths(cache, settings={"CD201": {"min-ratio": 1000.0}})
+    assert by_code(strict, "CD201") == []
+    assert len(by_code(scan_paths(cache), "CD201")) == len(paths)
+
+
+def _defect_metas(tmp_path: Path):
+    """A meta of every file-rule defect the fixtures make (plus clean files)."""
+    for code, build in BUILDERS.items():
+        folder = tmp_path / code
+        clean.build(folder, n=1)
+        options = {"marker": tmp_path / "PAYLOAD"} if code == "CD105" else {}
+        for path in build(folder, **options):
+            yield read_path(str(path), deep=True)
+    for path in sorted((tmp_path / "CD101").iterdir()):
+        yield read_path(str(path))
+
+
+def test_file_rules_judge_facts_not_paths(tmp_path: Path) -> None:
+    """The contract the engine's verdict reuse rests on (rule.py): for a latent or text
+    file, a file rule gives the same finding for the same facts at another path and mtime."""
+    file_rules = [r for r in RULES.values() if r.check_file is not None]
+    for meta in _defect_metas(tmp_path):
+        for role in (LATENT, TEXT):
+            here = Entry(meta.path, role, "cache")
+            moved = dataclasses.replace(meta, path="/elsewhere/other-name.pt", mtime=1.0)
+            there = Entry(moved.path, role, "cache")
+            for rule in file_rules:
+                a = rule.check_file(meta, RuleContext(meta.deep, "cache", {}, here))
+                b = rule.check_file(moved, RuleContext(meta.deep, "cache", {}, there))
+                assert (a is None) == (b is None), (rule.code, meta.path)
+                if a is not None:
+                    assert dataclasses.replace(a, path=b.path) == b, (rule.code, meta.path)
