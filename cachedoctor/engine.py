@@ -50,7 +50,7 @@ class ChunkResult:
     files: int
     bytes: int
     findings: list[Finding]
-    summaries: list[tuple[str, bytes]]
+    summaries: list[tuple[str, bytes]]  # (dataset, blob) rows of a SummaryStore
     paths: list[str]  # every file checked, when ScanOptions.keep_paths
     coverage: list[CoverageRow]
 
@@ -164,8 +164,9 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                                      facts.naming))
         summary = summarize(entry, meta, facts, verdict[2] if verdict else None)
         if summary is not None:
-            summaries.append(encode(summary))
-    return ChunkResult(files, nbytes, findings, summaries, paths, coverage)
+            summaries.append(summary)
+    blobs = [encode(batch.dataset, summaries)] if summaries else []
+    return ChunkResult(files, nbytes, findings, blobs, paths, coverage)
 
 
 def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mapping,

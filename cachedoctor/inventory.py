@@ -62,13 +62,21 @@ class Entry(NamedTuple):
 
 def classify(name: str, parent: str = "") -> str:
     """The role a file plays, judged from its name and its directory's name."""
+    return _role(name, in_text_dir(parent))
+
+
+def in_text_dir(parent: str) -> bool:
+    # OneTrainer keeps text embeds in <cache>/text/<sha>/variation-<n>/<i>.pt
+    return not TEXT_DIRS.isdisjoint(parent.split(os.sep)[-3:])
+
+
+def _role(name: str, text_dir: bool) -> str:
     lower = name.lower()
     ext = lower[lower.rfind(".") :] if "." in lower else ""
     if ext in CACHE_EXTENSIONS:  # most files: tested first, and no temp pattern has these
         if lower == "aggregate.pt":
             return METADATA
-        # OneTrainer keeps text embeds in <cache>/text/<sha>/variation-<n>/<i>.pt
-        if TEXT_PATTERN.match(lower) or TEXT_DIRS.intersection(parent.split(os.sep)[-3:]):
+        if text_dir or TEXT_PATTERN.match(lower):
             return TEXT
         return LATENT
     if ext in IMAGE_EXTENSIONS:
@@ -98,12 +106,15 @@ class Batch(NamedTuple):
     def entries(self, exclude: tuple[str, ...] = ()) -> Iterator[Entry]:
         for path, why in self.errors:
             yield Entry(path, OTHER, self.dataset, self.bucket, why, self.area)
-        join, directory = os.path.join, self.directory
+        directory = self.directory
+        head = directory if directory.endswith(os.sep) else directory + os.sep  # os.path.join
+        text_dir = in_text_dir(directory)
+        dataset, bucket, area = self.dataset, self.bucket, self.area
         for name in self.names:
-            path = join(directory, name)
+            path = head + name
             if exclude and excluded(path, exclude):
                 continue
-            yield Entry(path, classify(name, directory), self.dataset, self.bucket, None, self.area)
+            yield Entry(path, _role(name, text_dir), dataset, bucket, None, area)
 
 
 def walk(root: str, *, dataset: str | None = None, exclude: tuple[str, ...] = (),

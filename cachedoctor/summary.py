@@ -144,7 +144,8 @@ def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
 
 
 class SummaryStore:
-    """Summaries spilled to a temporary SQLite database, streamed back per dataset."""
+    """Summaries spilled to a temporary SQLite database (a row per batch of one dataset's
+    files, see encode), streamed back per dataset."""
 
     def __init__(self) -> None:
         # "" = a private temporary database that SQLite keeps on disk once it outgrows its cache
@@ -191,12 +192,14 @@ class SummaryStore:
         self._db.close()
 
 
-def encode(summary: FileSummary) -> tuple[str, bytes]:
-    """What a worker sends back: the dataset key and the summary as marshal bytes.
+def encode(dataset: str | None, summaries: list[FileSummary]) -> tuple[str, bytes]:
+    """What a worker sends back for a batch of one dataset's files: the dataset key and the
+    summaries as one marshal blob (one row per batch, not per file: inserting rows is most of
+    what storing costs).
 
     marshal (plain tuples, strings and numbers) is faster than pickle and runs no code.
     """
-    return summary.dataset or "", marshal.dumps(tuple(summary))
+    return dataset or "", marshal.dumps([tuple(s) for s in summaries])
 
 
 class Group(NamedTuple):
@@ -240,7 +243,8 @@ class DatasetView:
         cursor = self._db.execute("SELECT blob FROM s WHERE dataset = ? ORDER BY rowid",
                                   (self.dataset,))
         for (blob,) in cursor:
-            yield FileSummary(*marshal.loads(blob))
+            for row in marshal.loads(blob):
+                yield FileSummary(*row)
 
     def has_cache_entries(self) -> bool:
         return self._db.execute("SELECT 1 FROM cov WHERE dataset = ? AND side = ? LIMIT 1",
