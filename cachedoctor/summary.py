@@ -193,13 +193,19 @@ class SummaryStore:
 
 
 def encode(dataset: str | None, summaries: list[FileSummary]) -> tuple[str, bytes]:
-    """What a worker sends back for a batch of one dataset's files: the dataset key and the
-    summaries as one marshal blob (one row per batch, not per file: inserting rows is most of
-    what storing costs).
+    """What a worker sends back for a batch of one dataset's files: the dataset key and one
+    marshal blob (one row per batch, not per file: inserting rows is most of what storing
+    costs) of the batch's tally (see DatasetView.tally) and its summaries.
 
     marshal (plain tuples, strings and numbers) is faster than pickle and runs no code.
     """
-    return dataset or "", marshal.dumps([tuple(s) for s in summaries])
+    counts = Counter(_group(s) for s in summaries)
+    return dataset or "", marshal.dumps((list(counts.items()), [tuple(s) for s in summaries]))
+
+
+def _group(s: FileSummary) -> tuple:
+    return (s.role, s.family, s.bucket, s.shape, s.expected, s.dtype, s.format, s.locations,
+            s.signature)
 
 
 class Group(NamedTuple):
@@ -230,21 +236,27 @@ class DatasetView:
         self._tally: Counter[Group] | None = None
 
     def tally(self) -> Counter[Group]:
-        """How many summaries share each Group of facts, counted in one pass that every rule
-        shares: a rule looks for trouble here and reads the files one by one only when it
-        found some (memory: one entry per distinct group, not per file)."""
+        """How many summaries share each Group of facts, shared by every rule: a rule looks
+        for trouble here and reads the files one by one only when it found some (memory: one
+        entry per distinct group, not per file). The workers counted each batch already."""
         if self._tally is None:
-            self._tally = Counter(
-                Group(s.role, s.family, s.bucket, s.shape, s.expected, s.dtype, s.format,
-                      s.locations, s.signature) for s in self)
+            tally: Counter[tuple] = Counter()
+            for counts, _ in self._blobs():
+                for group, n in counts:
+                    tally[group] += n
+            self._tally = Counter({Group(*g): n for g, n in tally.items()})
         return self._tally
 
     def __iter__(self) -> Iterator[FileSummary]:
+        for _, rows in self._blobs():
+            for row in rows:
+                yield FileSummary(*row)
+
+    def _blobs(self) -> Iterator[tuple[list, list]]:
         cursor = self._db.execute("SELECT blob FROM s WHERE dataset = ? ORDER BY rowid",
                                   (self.dataset,))
         for (blob,) in cursor:
-            for row in marshal.loads(blob):
-                yield FileSummary(*row)
+            yield marshal.loads(blob)
 
     def has_cache_entries(self) -> bool:
         return self._db.execute("SELECT 1 FROM cov WHERE dataset = ? AND side = ? LIMIT 1",

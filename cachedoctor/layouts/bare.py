@@ -14,7 +14,6 @@ or place shows a trainer's own layout, whose bucket semantics then apply:
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 from collections.abc import Mapping
@@ -52,16 +51,36 @@ def _aggregates(path: str) -> dict[str, onetrainer.Samples]:
     a variation folder (fixed depths: no walk)."""
     out: dict[str, onetrainer.Samples] = {}
     root = os.path.dirname(path)
-    for pattern in ("image/*/variation-*/aggregate.pt", "*/variation-*/aggregate.pt",
-                    "variation-*/aggregate.pt", "aggregate.pt"):
-        for found in sorted(glob.glob(os.path.join(glob.escape(path), pattern))):
-            if onetrainer.VARIATION.match(os.path.basename(os.path.dirname(found))):
+    image = os.path.join(path, "image")
+    for variations in (lambda: _variations(image, groups=True),
+                       lambda: _variations(path, groups=True),
+                       lambda: _variations(path, groups=False),
+                       lambda: [path] if onetrainer.VARIATION.match(os.path.basename(path)) else []):
+        for folder in variations():
+            found = os.path.join(folder, "aggregate.pt")
+            if os.path.lexists(found):
                 entries = onetrainer.aggregate_entries(found, root)
                 if entries is not None:
-                    out[os.path.dirname(found)] = entries
+                    out[folder] = entries
         if out:
             break
     return out
+
+
+def _variations(parent: str, groups: bool) -> list[str]:
+    """The variation-<n> folders in `parent`, or (groups) in each of its sub-folders, sorted.
+    Plain listings rather than glob: a big cache folder's names are each tested once, cheaply."""
+    tops = [os.path.join(parent, n) for n in _names(parent) if not n.startswith(".")] if groups \
+        else [parent]
+    return sorted(os.path.join(top, n) for top in tops for n in _names(top)
+                  if n.startswith("variation-") and onetrainer.VARIATION.match(n))
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:  # not a folder, gone, unreadable: nothing of OneTrainer's in it
+        return []
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ that get a trainer's bucket semantics from their files."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -59,7 +60,15 @@ def test_onetrainer_bare_cache_gets_crop_buckets(tmp_path: Path) -> None:
     report = scan_paths(cache)
     assert report.trainers == ("bare",)
     assert "CD301" not in codes(report)
-    assert len(by_code(report, "CD302")) == 3
+    wrong = sorted(f.path for f in by_code(report, "CD302"))
+    assert len(wrong) == 3
+    # the same from its image/ folder, a group folder, a variation folder
+    group = next(p for p in sorted((cache / "image").iterdir()) if any(w.startswith(str(p)) for w in wrong))
+    for folder in (cache / "image", group, group / "variation-0"):
+        report = scan_paths(folder)
+        assert "CD301" not in codes(report), folder
+        assert sorted(f.path for f in by_code(report, "CD302")) == [
+            w for w in wrong if w.startswith(str(folder) + os.sep)], folder
 
 
 # -- kohya --------------------------------------------------------------------------------------
