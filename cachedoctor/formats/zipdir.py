@@ -97,7 +97,7 @@ def read_directory(src: Source) -> ZipDirectory:
 
     Runs once per file of a scan, so it parses in place: offsets into the whole file when it
     is in memory (small files), else into the cached tail window, which holds the end records
-    and the directory of any torch file.
+    and the directory of a torch file of up to about 80 tensors (a bigger directory is read).
     """
     size = src.size
     if size < EOCD.size:
