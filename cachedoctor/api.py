@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cachedoctor import config as configuration
-from cachedoctor.baseline import Baseline
 from cachedoctor.findings import Report
 from cachedoctor.options import default_jobs
 
@@ -99,6 +97,7 @@ def scan(targets: Targets, **options: Any) -> Report:
 
 def _scan(targets: tuple[str, ...], policy: configuration.Policy) -> Report:
     from cachedoctor import engine
+    from cachedoctor.baseline import Baseline
 
     baseline = Baseline.load(policy.baseline) if policy.baseline else None
     report = engine.scan(targets, policy.options)
@@ -144,6 +143,8 @@ def _jobs_per_rank() -> int:
 
 def _portable(exc: Exception) -> Exception:
     """`exc` if it survives pickling (to go through all_gather_object), else its text."""
+    import pickle
+
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:
@@ -154,6 +155,7 @@ def _portable(exc: Exception) -> Exception:
 def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | None,
              options: dict[str, Any]) -> tuple[Report, configuration.Policy]:
     from cachedoctor import engine
+    from cachedoctor.baseline import Baseline
     from cachedoctor.layouts import resolve
     from cachedoctor.summary import SummaryStore
 

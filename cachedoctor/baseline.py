@@ -21,7 +21,6 @@ A baseline is JSON: `{"version": 1, "tool": {...}, "findings": [{"code", "path",
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections import Counter
@@ -61,6 +60,8 @@ def fingerprint(finding: Finding, base: str) -> str:
     identity = [finding.code, relative(finding.path, base),
                 _evidence(jsonable(finding.details), base)]
     text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    import hashlib  # here, not at the top: OpenSSL's import is 3 ms of every scan's start
+
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -257,6 +256,8 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
         for batch in itertools.chain(first, batches_):
             yield check_batch(batch, options, rules, datasets)
         return
+    import multiprocessing  # only a scan big enough for a pool pays for importing it
+
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     with context.Pool(options.jobs, initializer=_init_worker,

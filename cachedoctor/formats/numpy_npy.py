@@ -11,7 +11,6 @@ are listed by the restricted unpickler and it is never executed.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import warnings
@@ -174,6 +173,8 @@ def _parse_literal(text: str, major: int, end: int) -> NpyHeader:
 def _literal(text: str) -> object:
     with warnings.catch_warnings():  # a damaged header's "\ " would warn on the scan's stderr
         warnings.simplefilter("ignore")
+        import ast  # most headers never get here (start-up: ~2 ms)
+
         return ast.literal_eval(text.lstrip(" \t"))
 
 

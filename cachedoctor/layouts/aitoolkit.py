@@ -19,7 +19,6 @@ Caches beside the images are by design (no CD401).
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import math
 import os
@@ -199,6 +198,8 @@ HEADER_ONLY = frozenset({"software", "format"})  # metadata.py adds these beside
 def latent_hash(info: Mapping[str, Any]) -> str:
     """The `<hash>` of `<stem>_<hash>.safetensors`: urlsafe base64 of the md5 of the latent info
     dict's sorted JSON, without padding (dataloader_mixins.py `get_latent_path`)."""
+    import hashlib  # here, not at the top: OpenSSL's import is 3 ms of every scan's start
+
     digest = hashlib.md5(json.dumps(dict(info), sort_keys=True).encode("utf-8")).digest()
     return base64.urlsafe_b64encode(digest).decode("ascii").replace("=", "")
 

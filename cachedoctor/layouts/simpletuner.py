@@ -35,7 +35,6 @@ until 2025-12) are no longer read by SimpleTuner: they are orphans.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -534,7 +533,13 @@ def vae_key(configured: str, image: str) -> str:
     """The coverage key of an image: its cache sub-folder and the sha256 of its stem."""
     folder = os.path.dirname(image).replace(configured, "").lstrip(os.sep) if configured else ""
     stem = os.path.splitext(os.path.basename(image))[0]
-    return _join(folder, hashlib.sha256(stem.encode("utf-8", "surrogateescape")).hexdigest())
+    return _join(folder, _sha256(stem))
+
+
+def _sha256(text: str) -> str:
+    import hashlib  # here, not at the top: OpenSSL's import is 3 ms of every scan's start
+
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def _join(folder: str, name: str) -> str:
@@ -582,8 +587,7 @@ class _Directory(DirectoryNaming):
         if not self.in_images or not name.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS):
             return None
         stem = os.path.splitext(name)[0]
-        key = _join(self.image_folder, hashlib.sha256(stem.encode("utf-8", "surrogateescape"))
-                    .hexdigest())
+        key = _join(self.image_folder, _sha256(stem))
         naming = self.naming
         expected = naming.expects_cache and (
             naming.listed is None or os.path.join(self.path, name) in naming.listed)
