@@ -68,6 +68,9 @@ def extension_format(path: str) -> str | None:
     return EXTENSION_FORMATS.get(os.path.splitext(path)[1].lower())
 
 
+SNIFF_BYTES = 4096  # what sniff() looks at, at most
+
+
 def sniff(head: bytes, size: int) -> str:
     """The format the first bytes announce (UNKNOWN when they announce none)."""
     if size == 0:
@@ -84,6 +87,7 @@ def sniff(head: bytes, size: int) -> str:
         return SAFETENSORS
     if head.startswith(IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
         return IMAGE
+    head = head[:SNIFF_BYTES]
     if not head.strip(b"\x00"):
         return ZEROED
     try:
@@ -120,7 +124,7 @@ def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False) -> Fil
 
 
 def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
-    head = src.pread(0, 4096)
+    head = src.windows[0][1]  # what the source holds from byte 0: no copy
     fmt = sniff(head, src.size)
     if fmt == GZIP:
         return _read_gzip(src, path, deep)
