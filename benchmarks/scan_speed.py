@@ -2,7 +2,7 @@
 
 Builds N latent files (default 20,000: 90% [4,64,64] fp16 in one cache, 10% [16,128,128] fp16
 in another, since one cache of both would rightly be CD303; 1,000 files per folder), warms the
-page cache, then times with 1 process and with every core, best of 3, interleaved:
+page cache, then times with 1 process and with every core, best of 5, interleaved:
   - `cachedoctor scan` (the real CLI in a subprocess, start-up included),
   - a loop of torch.load(map_location="cpu", weights_only=True) over the same files,
   - a loop that only opens each file and reads its last 64 KiB (the I/O floor).
@@ -30,7 +30,7 @@ import tempfile
 import time
 
 PER_DIR = 1000
-REPEATS = 3
+REPEATS = 5  # best of 5, interleaved: this shared VM's speed drifts by tens of percent
 # The scan runs as a user runs it: with Python's bytecode cache (some sandboxes and CI images
 # set PYTHONDONTWRITEBYTECODE, which makes every start-up compile every module again).
 SCAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -161,10 +161,13 @@ def main() -> None:
         small, full = peak_rss_kib(part, cores), peak_rss_kib(targets, cores)
         print(f"peak RSS of the largest scan process: {small / 1024:.0f} MiB for one folder "
               f"({PER_DIR * 9 // 10:,} files), {full / 1024:.0f} MiB for {n:,} files")
-        ok_load = all(load_s / scan_s >= 6 for _, scan_s, load_s, _, _ in rows)
-        ok_tail = all(scan_s / tail_s <= 3 for _, scan_s, _, tail_s, _ in rows)
-        print(f"targets: >= 6x torch.load: {'met' if ok_load else 'MISSED'}; "
-              f"within 3x of read-tail: {'met' if ok_tail else 'MISSED'}")
+        # The loops run in this process, torch imported: the scan's own start-up has no
+        # counterpart in them, so the targets are judged both with it and without it.
+        for label, cost in (("scan with its start-up", 0.0), ("without start-up", startup)):
+            ok_load = all(load_s / (scan_s - cost) >= 6 for _, scan_s, load_s, _, _ in rows)
+            ok_tail = all((scan_s - cost) / tail_s <= 3 for _, scan_s, _, tail_s, _ in rows)
+            print(f"targets, {label}: >= 6x torch.load: {'met' if ok_load else 'MISSED'}; "
+                  f"within 3x of read-tail: {'met' if ok_tail else 'MISSED'}")
     finally:
         if not args.dir and not args.keep:
             shutil.rmtree(root, ignore_errors=True)
