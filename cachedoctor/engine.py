@@ -136,7 +136,7 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
         same = meta.same_as
         verdict = None
         if same is not None and entry.role in SHARED_ROLES:
-            seen = (id(same), entry.role, entry.area, entry.dataset, entry.bucket)
+            seen = (id(same), meta.compression, entry.role, entry.area, entry.dataset, entry.bucket)
             verdict = _verdicts.get(seen)
             if verdict is None or verdict[0] is not same:
                 verdict = (same, _run(checks, meta, entry, deep, settings, dataset),

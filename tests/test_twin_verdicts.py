@@ -4,6 +4,7 @@ own findings at its own path, and a verdict never outlives the scan's options.""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,32 @@ def test_file_rules_judge_facts_not_paths(tmp_path: Path) -> None:
                 assert (a is None) == (b is None), (rule.code, meta.path)
                 if a is not None:
                     assert dataclasses.replace(a, path=b.path) == b, (rule.code, meta.path)
+
+
+def test_gzip_wrapped_twins_are_judged_as_gzip_files(cache: Path, monkeypatch) -> None:
+    """SimpleTuner gzips torch files: the inner archive matches a plain file's template, and
+    the verdict of a plain file is never handed to a gzip one (or back)."""
+    import gzip
+
+    import cachedoctor.engine as engine
+
+    paths = retained_twins(cache, batches=2)
+    for path in paths[::2]:  # every other file gzip-wrapped, as SimpleTuner writes them
+        path.write_bytes(gzip.compress(path.read_bytes(), mtime=0))
+    metas = [read_path(str(p)) for p in paths]
+    assert {m.compression for m in metas if m.same_as is not None} == {None, "gzip"}
+    report = scan_paths(cache)
+    assert len(by_code(report, "CD201")) == len(paths)
+    monkeypatch.setattr(engine, "SHARED_ROLES", ())
+    assert scan_paths(cache).findings == report.findings
+
+
+def test_a_twin_gets_its_own_mtime(tmp_path: Path) -> None:
+    first, second = tmp_path / "aaaa.pt", tmp_path / "bbbb.pt"
+    for path, when in ((first, 1_000_000), (second, 2_000_000)):
+        torch.save(torch.ones(4, 8, 8).half(), path)
+        os.utime(path, (when, when))
+    assert read_path(str(first)).mtime == 1_000_000
+    twin = read_path(str(second))
+    assert twin.same_as is not None and twin.mtime == 2_000_000
+    assert twin.same_as.renamed("x").mtime == 0.0

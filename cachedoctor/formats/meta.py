@@ -112,8 +112,9 @@ class FileMeta:
         return (FileMeta, tuple(values))
 
     def renamed(self, path: str) -> FileMeta:
-        """The same facts for a file at `path` whose bytes say the same (zip_templates)."""
-        return FileMeta(path, *_FACTS(self), same_as=self.same_as or self)
+        """The same facts for a file at `path` whose bytes say the same (zip_templates); its
+        mtime is the caller's to stamp."""
+        return FileMeta(path, *_FACTS(self), mtime=0.0, same_as=self.same_as or self)
 
     @property
     def ok(self) -> bool:
@@ -136,4 +137,5 @@ class FileMeta:
         return tuple(sorted({t.location for t in self.tensors}))
 
 
-_FACTS = attrgetter(*[f for f in FileMeta.__dataclass_fields__ if f not in ("path", "same_as")])
+# every field but path, mtime and same_as, in order (mtime and same_as are the last two)
+_FACTS = attrgetter(*[f for f in FileMeta.__dataclass_fields__ if f not in ("path", "mtime", "same_as")])
