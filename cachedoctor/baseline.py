@@ -111,6 +111,8 @@ class Baseline:
 
 @dataclass(frozen=True)
 class BaselineResult:
+    """A report with a baseline applied, and what the baseline hid or no longer finds."""
+
     report: Report  # only the findings that are new
     known: int  # findings hidden because the baseline has them
     fixed: int  # baseline entries no longer found (fixed, or their evidence changed)

@@ -46,6 +46,8 @@ IN_PROCESS_BATCHES = 3  # fewer batches than this are read without starting a po
 
 @dataclass(frozen=True)
 class ChunkResult:
+    """What a worker sends back for one batch of files."""
+
     files: int
     bytes: int
     findings: list[Finding]

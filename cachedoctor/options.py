@@ -20,6 +20,8 @@ def default_jobs() -> int:
 
 @dataclass(frozen=True)
 class ScanOptions:
+    """How a scan runs: rules selected, --deep, jobs, exclusions, severity and settings."""
+
     deep: bool = False
     jobs: int = field(default_factory=default_jobs)
     select: tuple[str, ...] = ()  # codes or prefixes ("CD2"); empty = every rule

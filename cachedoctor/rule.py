@@ -41,6 +41,8 @@ class RuleContext(NamedTuple):
 
 @dataclass(frozen=True)
 class Rule:
+    """A rule of the catalogue: its code, severity, explanation, fix and the checks it runs."""
+
     code: str
     name: str
     severity: Severity

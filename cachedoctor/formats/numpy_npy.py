@@ -54,6 +54,8 @@ class NpyError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Dtype:
+    """A numpy dtype as cachedoctor reports it."""
+
     name: str  # torch's name, or numpy's (str160, void64, datetime64[ns]) where torch has none
     itemsize: int
     big_endian: bool = False
@@ -63,6 +65,8 @@ class Dtype:
 
 @dataclass(frozen=True, slots=True)
 class NpyHeader:
+    """The parsed header of one .npy array."""
+
     descr: str  # as written: '<f4', or the repr of a structured descr
     dtype: Dtype
     shape: tuple[int, ...]

@@ -36,6 +36,8 @@ READ_RECORDS = frozenset({"data.pkl", "version", ".data/version", "byteorder"})
 
 @dataclass(frozen=True, slots=True)
 class _Parsed:
+    """The analysis of one data.pkl (shared by every file holding the same bytes)."""
+
     storages: tuple[tuple[str, StorageRef], ...] = ()
     tensors: tuple[TensorMeta, ...] = ()
     tensor_errors: tuple[str, ...] = ()

@@ -559,6 +559,8 @@ def _text(value: object) -> str | None:
 
 @dataclass
 class Unpickled:
+    """What a restricted unpickle gives: the object, the globals named and the storages."""
+
     obj: Any
     globals: list[str] = field(default_factory=list)  # in order of first appearance
     unsafe_globals: list[str] = field(default_factory=list)

@@ -55,6 +55,8 @@ class ZipEntry(NamedTuple):  # a NamedTuple: built once per entry per file, so c
 
 @dataclass(frozen=True, slots=True)
 class ZipDirectory:
+    """A zip archive's central directory."""
+
     entries: tuple[ZipEntry, ...]
     cd_offset: int
     trailing_bytes: int  # bytes after the end record (torch ignores them)

@@ -133,6 +133,8 @@ def load(config: ConfigFile) -> Layout:
 
 @dataclass(frozen=True)
 class AIToolkitNaming(Naming):
+    """ai-toolkit's `_latent_cache/<stem>_<hash>.safetensors` naming."""
+
     root: str  # the dataset's folder_path; None-like "" for a bare cache
     expects_cache: bool = True
 

@@ -85,6 +85,8 @@ def _names(folder: str) -> list[str]:
 
 @dataclass(frozen=True)
 class BareNaming(Naming):
+    """A cache dir without a config: folder buckets, and OneTrainer aggregates when present."""
+
     aggregates: Mapping[str, onetrainer.Samples]
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:

@@ -178,6 +178,8 @@ class Dataset:
 
 @dataclass(frozen=True)
 class Layout:
+    """What one trainer config (or a bare cache) says: its datasets and its problems."""
+
     trainer: str  # "bare" when no trainer config was given
     source: str | None  # the config file the layout came from
     datasets: tuple[Dataset, ...]

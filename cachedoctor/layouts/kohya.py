@@ -179,6 +179,8 @@ def _layout(args_file: ConfigFile | None, dataset_file: ConfigFile | None) -> La
 
 @dataclass
 class _Subset:
+    """One subset of a kohya dataset config: its image dir and bucket settings."""
+
     image_dir: str
     value: str
     origin: object
@@ -380,6 +382,9 @@ def _resolution(value: object) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class KohyaNaming(Naming):
+    """kohya's naming: `<stem>_<WWWW>x<HHHH>_<arch>.npz` beside each image (the legacy
+    `<stem>.npz` wins when present)."""
+
     root: str
     buckets: Buckets | None  # None: settings unknown (a bare image dir), no bucket
     expects_cache: bool = True

@@ -260,6 +260,8 @@ def aggregate_entries(path: str, root: str) -> Samples | None:
 
 @dataclass(frozen=True)
 class OneTrainerNaming(Naming):
+    """OneTrainer's naming: numbered samples per variation folder, mapped by aggregate.pt."""
+
     aggregates: Mapping[str, Samples]  # variation dir -> (image, crop) by sample index
     expects_cache: bool = True
 

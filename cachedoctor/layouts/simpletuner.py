@@ -229,6 +229,8 @@ def _reason(root: str) -> str:
 
 @dataclass
 class _Globals:
+    """The settings of the main config that every backend entry shares."""
+
     root: str
     output_dir: str
     model_family: str
@@ -304,6 +306,8 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
 
 @dataclass
 class _Entry:
+    """One entry of a multidatabackend.json, its placeholders filled."""
+
     index: int
     id: str
     dataset_type: str
@@ -462,6 +466,8 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
 
 @dataclass
 class _Buckets:
+    """What a backend's aspect bucket files say: each image's bucket and size."""
+
     by_key: dict[str, tuple[str, tuple[int, int] | None]] = field(default_factory=dict)
     listed: frozenset[str] | None = None
     origin: Origin | None = None
@@ -553,6 +559,9 @@ def _under(path: str, root: str) -> bool:
 
 @dataclass(frozen=True)
 class SimpleTunerNaming(Naming):
+    """SimpleTuner's cache naming: `<cache_dir_vae>/<sub>/<sha256(stem)>.pt`, `<sub>` the
+    image's folder with the configured instance_data_dir removed."""
+
     instance_dir: str  # as configured: SimpleTuner removes this string from image folders
     image_root: str
     cache_root: str

@@ -28,6 +28,8 @@ Path_ = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class ConfigFile:
+    """A parsed config file and the line of each of its keys."""
+
     path: str  # absolute
     kind: str  # json, toml, yaml, env
     data: Any
