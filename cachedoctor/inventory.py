@@ -107,7 +107,7 @@ class Batch(NamedTuple):
         for path, why in self.errors:
             yield Entry(path, OTHER, self.dataset, self.bucket, why, self.area)
         directory = self.directory
-        head = directory if directory.endswith(os.sep) else directory + os.sep  # os.path.join
+        head = os.path.join(directory, "")  # + name: os.path.join(directory, name), cheaper
         text_dir = in_text_dir(directory)
         dataset, bucket, area = self.dataset, self.bucket, self.area
         for name in self.names:
