@@ -40,7 +40,7 @@ from cachedoctor.summary import (
     summarize,
 )
 
-BATCH = 256  # files per task sent to a worker
+BATCH = 1024  # files per task sent to a worker (256: 15% slower on two cores, more hand-offs)
 IN_PROCESS_BATCHES = 3  # fewer batches than this are read without starting a pool
 
 

@@ -24,6 +24,7 @@ def retained_twins(cache: Path, batches: int = 3, size: int = 4) -> list[Path]:
     """torch.save(batch[i]) for several batches: the files of one row i hold the same
     data.pkl (same shape, same storage offset), so they are twins of each other."""
     gen = torch.Generator().manual_seed(0)
+    cache.mkdir(parents=True, exist_ok=True)
     paths = []
     for b in range(batches):
         batch = torch.randn(size, 4, 16, 16, generator=gen).half()  # 2 KiB a row
@@ -111,3 +112,11 @@ def test_a_twin_gets_its_own_mtime(tmp_path: Path) -> None:
     twin = read_path(str(second))
     assert twin.same_as is not None and twin.mtime == 2_000_000
     assert twin.same_as.renamed("x").mtime == 0.0
+
+
+def test_a_pool_of_workers_judges_twins_as_one_process_does(tmp_path: Path) -> None:
+    for part in ("a", "b", "c"):  # three dirs: three batches, so the scan starts a pool
+        retained_twins(tmp_path / "cache" / part)
+    one = scan_paths(tmp_path / "cache")
+    assert len(by_code(one, "CD201")) == 36
+    assert scan_paths(tmp_path / "cache", jobs=2).findings == one.findings
