@@ -262,9 +262,15 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
 
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with context.Pool(options.jobs, initializer=_init_worker,
-                      initargs=(options, datasets)) as pool:
-        yield from pool.imap_unordered(_check_in_worker, itertools.chain(first, batches_))
+    # Objects the workers inherit stay out of the collector's way: a collection in a worker
+    # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
+    gc.freeze()
+    try:
+        with context.Pool(options.jobs, initializer=_init_worker,
+                          initargs=(options, datasets)) as pool:
+            yield from pool.imap_unordered(_check_in_worker, itertools.chain(first, batches_))
+    finally:
+        gc.unfreeze()
 
 
 def count_files(layouts: Iterable[Layout], options: ScanOptions) -> int:
