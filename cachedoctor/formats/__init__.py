@@ -106,7 +106,8 @@ def sniff(head: bytes, size: int) -> str:
 def read_path(path: str, *, deep: bool = False) -> FileMeta:
     """Read one file's metadata; I/O failures come back as format UNREADABLE."""
     try:
-        fd, src = open_source(path)
+        # a file the size of a torch layout seen before: only the bytes that decide it are read
+        fd, src = open_source(path, None if deep else zip_templates.spans)
     except OSError as exc:
         return FileMeta(path, 0, UNREADABLE, errors=(describe_os_error(exc),))
     try:
@@ -124,7 +125,9 @@ def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False) -> Fil
 
 
 def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
-    head = src.windows[0][1]  # what the source holds from byte 0: no copy
+    at, head = src.windows[0]  # what the source holds from byte 0: no copy
+    if at != 0 or (len(head) < min(src.size, SNIFF_BYTES) and not head.startswith(b"PK")):
+        head = src.pread(0, SNIFF_BYTES)  # (spans of a zip layout, but no zip)
     fmt = sniff(head, src.size)
     if fmt == GZIP:
         return _read_gzip(src, path, deep)

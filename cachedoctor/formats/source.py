@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from typing import Protocol
 
 WHOLE_FILE_LIMIT = 64 * 1024
@@ -43,29 +44,36 @@ class BytesSource:
 
 
 class FileSource:
-    """A file opened read-only, with its head and tail cached."""
+    """A file opened read-only, with some of its bytes in memory (`windows`): all of a small
+    file, a big one's head and tail, or the spans the caller names (zip_templates knows which
+    bytes decide a file of a layout it has seen); any other range is read on request."""
 
-    def __init__(self, fd: int, size: int, position: int | None = None) -> None:
+    def __init__(self, fd: int, size: int, position: int | None = None,
+                 spans: tuple[tuple[int, int], ...] | None = None) -> None:
         self._fd = fd
         self._pos = position  # the descriptor's offset, when known: saves an lseek
         self.size = size
         self.mtime = 0.0
         self.buffer: bytes | None = None
-        if size <= WHOLE_FILE_LIMIT:
-            self._head = self.buffer = self._read(0, size)
-            self._tail_at, self._tail = size, b""
-            self.windows: tuple[Window, ...] = ((0, self._head),)
+        self.windows: tuple[Window, ...]
+        if spans is not None:
+            self.windows = tuple((at, self._read(at, n)) for at, n in spans)
+        elif size <= WHOLE_FILE_LIMIT:
+            self.buffer = self._read(0, size)
+            self.windows = ((0, self.buffer),)
         else:
-            self._head = self._read(0, WINDOW)
-            self._tail_at = size - WINDOW
-            self._tail = self._read(self._tail_at, WINDOW)
-            self.windows = ((0, self._head), (self._tail_at, self._tail))
+            tail_at = size - WINDOW
+            self.windows = ((0, self._read(0, WINDOW)), (tail_at, self._read(tail_at, WINDOW)))
 
     def _read(self, offset: int, n: int) -> bytes:
         # lseek + read rather than pread: same cost here, and pyfakefs (our tests) fakes them
         if offset != self._pos:
             os.lseek(self._fd, offset, os.SEEK_SET)
-        chunks, done = [], 0
+        first = os.read(self._fd, n)
+        if len(first) == n or not first:  # nearly always: one read does it
+            self._pos = offset + len(first)
+            return first
+        chunks, done = [first], len(first)
         while done < n:
             chunk = os.read(self._fd, n - done)
             if not chunk:
@@ -79,15 +87,16 @@ class FileSource:
         if offset < 0 or n <= 0 or offset >= self.size:
             return b""
         end = min(offset + n, self.size)
-        if end <= len(self._head):
-            return self._head[offset:end]
-        if offset >= self._tail_at and self._tail:
-            return self._tail[offset - self._tail_at : end - self._tail_at]
+        for at, data in self.windows:
+            if at <= offset and end <= at + len(data):
+                return data[offset - at : end - at]
         return self._read(offset, end - offset)
 
 
-def open_source(path: str) -> tuple[int, FileSource]:
-    """Open `path` for reading; the caller closes the returned descriptor.
+def open_source(path: str, spans_for: Callable[[int], tuple[tuple[int, int], ...] | None] | None = None,
+                ) -> tuple[int, FileSource]:
+    """Open `path` for reading; the caller closes the returned descriptor. `spans_for(size)`
+    may name the (offset, length) spans to read, given the file's size.
 
     O_NONBLOCK keeps a FIFO or device node from hanging the scan; those are refused here.
     """
@@ -96,7 +105,8 @@ def open_source(path: str) -> tuple[int, FileSource]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"not a regular file: {path}")
-        src = FileSource(fd, st.st_size, position=0)
+        spans = spans_for(st.st_size) if spans_for is not None else None
+        src = FileSource(fd, st.st_size, position=0, spans=spans)
         src.mtime = st.st_mtime
         return fd, src
     except BaseException:

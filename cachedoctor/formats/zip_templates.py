@@ -39,25 +39,29 @@ DESCRIPTOR_SIG = b"PK\x07\x08"
 CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
+MIN_SKIPPED = 1024  # a payload shorter than this is read with its neighbours, not skipped
+
+
 class Template:
-    __slots__ = ("directory", "patterns", "records", "twins")
+    __slots__ = ("directory", "patterns", "records", "spans", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
-                 directory: ZipDirectory, records: tuple[tuple[int, int, int], ...]) -> None:
-        self.patterns = patterns  # (window offset, window length, pattern) per window
+                 directory: ZipDirectory, records: tuple[tuple[int, int], ...]) -> None:
+        self.patterns = patterns  # (offset, length, pattern) of each span that decides a layout
+        self.spans = tuple((at, n) for at, n, _ in patterns)
         self.directory = directory
-        self.records = records  # (window, start, end) of each record the reader reads
-        self.twins: dict[bytes, FileMeta] = {}  # by records(): a sound file's FileMeta
+        self.records = records  # (start, end) in the file of each record the reader reads
+        self.twins: dict[bytes, FileMeta] = {}  # by record_bytes(): a sound file's FileMeta
 
     def prefix(self, windows: tuple[Window, ...]) -> str | None:
-        """This file's archive prefix if `windows` match the layout, else None."""
-        if len(windows) != len(self.patterns):
-            return None
+        """This file's archive prefix if the bytes in `windows` match the layout, else None
+        (None too when the windows miss a span)."""
         prefix = None
-        for (at, data), (t_at, t_len, pattern) in zip(windows, self.patterns, strict=True):
-            if at != t_at or len(data) != t_len:
+        for at, n, pattern in self.patterns:
+            data, base = _holding(windows, at, n)
+            if data is None:
                 return None
-            found = pattern.fullmatch(data)
+            found = pattern.fullmatch(data, at - base, at - base + n)
             if found is None:
                 return None
             if "prefix" in pattern.groupindex:
@@ -69,8 +73,12 @@ class Template:
 
     def record_bytes(self, windows: tuple[Window, ...]) -> bytes:
         """The bytes of the records the reader reads, of a file that matched this layout
-        (one fixed length each, so the concatenation is unambiguous)."""
-        return b"".join([windows[w][1][start:end] for w, start, end in self.records])
+        (one fixed length each, so the concatenation is unambiguous; they lie in its spans)."""
+        parts = []
+        for start, end in self.records:
+            data, base = _holding(windows, start, end - start)
+            parts.append(data[start - base : end - base] if data is not None else b"")
+        return b"".join(parts)
 
     def twin(self, records: bytes, path: str) -> FileMeta | None:
         """The FileMeta of the file at `path` if a file with these record bytes was read."""
@@ -83,7 +91,16 @@ class Template:
             self.twins[records] = meta
 
 
+def _holding(windows: tuple[Window, ...], at: int, n: int) -> tuple[bytes | None, int]:
+    """The window holding [at, at + n) and its offset; (None, 0) when none does."""
+    for base, data in windows:
+        if base <= at and at + n <= base + len(data):
+            return data, base
+    return None, 0
+
+
 _templates: dict[int, list[Template]] = {}
+_spans: dict[int, tuple[tuple[int, int], ...]] = {}  # by size: every template's spans, merged
 _count = 0
 
 
@@ -98,6 +115,12 @@ def match(size: int, windows: tuple[Window, ...]) -> tuple[Template, str] | None
     return None
 
 
+def spans(size: int) -> tuple[tuple[int, int], ...] | None:
+    """The (offset, length) spans that decide whether a file of `size` bytes is laid out like
+    one seen before, or None when none of that size was: all a reader needs of such a file."""
+    return _spans.get(size)
+
+
 def remember(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
              meta: FileMeta) -> None:
     """Make a template of a sound torch zip file's layout and its FileMeta `meta` (at most
@@ -110,7 +133,19 @@ def remember(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
     if template is not None:
         template.learn(template.record_bytes(windows), meta)
         same_size.append(template)
+        _spans[size] = _merged([span for t in same_size for span in t.spans])
         _count += 1
+
+
+def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for at, n in sorted(spans):
+        if out and at <= out[-1][0] + out[-1][1]:
+            last_at, last_n = out[-1]
+            out[-1] = (last_at, max(last_at + last_n, at + n) - last_at)
+        else:
+            out.append((at, n))
+    return tuple(out)
 
 
 class _Outside(Exception):
@@ -118,10 +153,10 @@ class _Outside(Exception):
 
 
 def _bytes_at(windows: tuple[Window, ...], start: int, n: int) -> bytes:
-    for at, data in windows:
-        if at <= start and start + n <= at + len(data):
-            return data[start - at : start - at + n]
-    raise _Outside
+    data, base = _holding(windows, start, n)
+    if data is None:
+        raise _Outside
+    return data[start - base : start - base + n]
 
 
 def _build(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Template | None:
@@ -165,20 +200,27 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
         if start < cursor or end > size:
             return None  # overlapping or out of range: not a layout to template
         cursor = end
+    # The payloads a read never looks at (storages) are skipped; every other byte decides.
+    cut = slash + 1
+    skipped = sorted((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
+                     if e.name[cut:] not in READ_RECORDS and e.compressed_size >= MIN_SKIPPED)
+    spans, cursor = [], 0
+    for start, end in skipped:
+        if start > cursor:
+            spans.append((cursor, start - cursor))
+        cursor = max(cursor, end)
+    if cursor < size:
+        spans.append((cursor, size - cursor))
     patterns = []
-    named = False
-    covered = 0  # every byte before this is in a window or a payload hole
-    for at, data in windows:
-        if not _payload_only(holes, covered, at):
-            return None
-        end_at = at + len(data)
-        parts, cursor = [], at
+    for at, n in spans:
+        data = _bytes_at(windows, at, n)  # every byte of a span is known, or no template
+        parts, cursor, named = [], at, False
         for start, end, kind in holes:
-            if end <= at or start >= end_at:
+            if end <= at or start >= at + n:
                 continue
-            if kind == "prefix" and (start < at or end > end_at):
+            if kind == "prefix" and (start < at or end > at + n):
                 return None
-            start, end = max(start, at), min(end, end_at)
+            start, end = max(start, at), min(end, at + n)
             parts.append(re.escape(data[cursor - at : start - at]))
             if kind == "prefix":
                 parts.append(b"(?P=prefix)" if named else b"(?P<prefix>[^/]{%d})" % prefix_len)
@@ -187,33 +229,7 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
                 parts.append(b".{%d}" % (end - start))
             cursor = end
         parts.append(re.escape(data[cursor - at :]))
-        patterns.append((at, len(data), re.compile(b"".join(parts), re.DOTALL)))
-        named = False  # each window's pattern names the prefix again; prefix() compares them
-        covered = end_at
-    if not _payload_only(holes, covered, size):
-        return None
-    cut = slash + 1
-    records = []
-    for e in directory.entries:
-        if e.name[cut:] in READ_RECORDS:
-            start, end = e.data_offset, e.data_offset + e.compressed_size
-            index = next((i for i, (at, data) in enumerate(windows)
-                          if at <= start and end <= at + len(data)), None)
-            if index is None:
-                return None
-            at = windows[index][0]
-            records.append((index, start - at, end - at))
-    return Template(tuple(patterns), directory, tuple(records))
-
-
-def _payload_only(holes: list[tuple[int, int, str]], start: int, end: int) -> bool:
-    """Whether every byte of [start, end) lies in a payload or CRC hole (sorted, disjoint)."""
-    for h_start, h_end, kind in holes:
-        if start >= end:
-            break
-        if h_end <= start or kind != "any":
-            continue
-        if h_start > start:
-            return False
-        start = h_end
-    return start >= end
+        patterns.append((at, n, re.compile(b"".join(parts), re.DOTALL)))
+    records = tuple((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
+                    if e.name[cut:] in READ_RECORDS)
+    return Template(tuple(patterns), directory, records)

@@ -29,17 +29,18 @@ def fields(meta):
 @pytest.fixture(autouse=True)
 def fresh_templates(monkeypatch):
     monkeypatch.setattr(zip_templates, "_templates", {})
+    monkeypatch.setattr(zip_templates, "_spans", {})
     monkeypatch.setattr(zip_templates, "_count", 0)
 
 
 def slow(data: bytes, path: str):
     """The same read with no template to lean on."""
-    saved_state = zip_templates._templates
-    zip_templates._templates = {}
+    saved_state = zip_templates._templates, zip_templates._spans
+    zip_templates._templates, zip_templates._spans = {}, {}
     try:
         return read_bytes(data, path)
     finally:
-        zip_templates._templates = saved_state
+        zip_templates._templates, zip_templates._spans = saved_state
 
 
 def test_files_of_one_layout_take_the_fast_path_with_the_same_result(monkeypatch) -> None:
@@ -180,3 +181,37 @@ def test_a_damaged_structural_byte_of_a_big_file_reads_as_without_templates(tmp_
         with open(damaged_path, "wb") as f:
             f.write(damaged)
         assert fields(read_path(damaged_path)) == fields(slow(damaged, damaged_path)), at
+
+
+def test_a_file_of_a_known_layout_s_size_is_read_only_where_it_decides(monkeypatch, tmp_path) -> None:
+    from cachedoctor.formats import read_path
+    from cachedoctor.formats.source import FileSource
+
+    first, second = tmp_path / "aaaaaaaa.pt", tmp_path / "bbbbbbbb.pt"
+    for path, value in ((first, 1.0), (second, 2.0)):
+        torch.save({"latent": torch.full((4, 32, 32), value).half()}, path)  # 8 KiB of storage
+    read_path(str(first))
+    read = []
+    real = FileSource._read
+    monkeypatch.setattr(FileSource, "_read", lambda self, at, n: read.append(n) or real(self, at, n))
+    meta = read_path(str(second))
+    assert meta.ok and meta.same_as is not None and meta.path == str(second)
+    size = second.stat().st_size
+    assert len(read) == 2 and sum(read) == size - 8192  # all but the storage
+    assert fields(meta) == fields(slow(second.read_bytes(), str(second)))
+
+
+def test_every_damaged_byte_of_a_file_read_in_spans_reads_as_without_templates(tmp_path) -> None:
+    from cachedoctor.formats import read_path
+
+    first = tmp_path / "aaaaaaaa.pt"
+    torch.save({"latent": torch.ones(4, 16, 16).half()}, first)
+    good = bytearray(first.read_bytes())
+    torch.save({"latent": torch.zeros(4, 16, 16).half()}, first)
+    read_path(str(first))  # the template (2 KiB storage: skipped, so the file is read in spans)
+    assert zip_templates.spans(len(good)) is not None and len(zip_templates.spans(len(good))) == 2
+    damaged_path = tmp_path / "cccccccc.pt"
+    for at in range(len(good)):
+        damaged = bytes(good[:at]) + bytes([good[at] ^ 0x5A]) + bytes(good[at + 1 :])
+        damaged_path.write_bytes(damaged)
+        assert fields(read_path(str(damaged_path))) == fields(slow(damaged, str(damaged_path))), at
