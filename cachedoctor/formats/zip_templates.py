@@ -35,11 +35,9 @@ from cachedoctor.formats.zipdir import LOCAL, ZipDirectory
 MAX_TEMPLATES = 256
 MAX_PER_SIZE = 8
 MAX_TWINS = 64  # FileMetas kept per template (distinct data.pkl bytes)
+MIN_SKIPPED = 1024  # a payload shorter than this is read with its neighbours, not skipped
 DESCRIPTOR_SIG = b"PK\x07\x08"
 CD_FIXED = 46  # central-directory entry header size; its name follows
-
-
-MIN_SKIPPED = 1024  # a payload shorter than this is read with its neighbours, not skipped
 
 
 class Template:
@@ -126,12 +124,14 @@ def remember(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
     """Make a template of a sound torch zip file's layout and its FileMeta `meta` (at most
     MAX_TEMPLATES in all)."""
     global _count
-    same_size = _templates.setdefault(size, [])
+    # (no entry for a size until it has a template: files of a thousand sizes add nothing)
+    same_size = _templates.get(size, [])
     if _count >= MAX_TEMPLATES or len(same_size) >= MAX_PER_SIZE or not directory.entries:
         return
     template = _build(size, windows, directory)
     if template is not None:
         template.learn(template.record_bytes(windows), meta)
+        same_size = _templates.setdefault(size, [])
         same_size.append(template)
         _spans[size] = _merged([span for t in same_size for span in t.spans])
         _count += 1

@@ -215,3 +215,12 @@ def test_every_damaged_byte_of_a_file_read_in_spans_reads_as_without_templates(t
         damaged = bytes(good[:at]) + bytes([good[at] ^ 0x5A]) + bytes(good[at + 1 :])
         damaged_path.write_bytes(damaged)
         assert fields(read_path(str(damaged_path))) == fields(slow(damaged, str(damaged_path))), at
+
+
+def test_files_of_many_sizes_leave_no_trace_once_the_templates_are_full(monkeypatch) -> None:
+    """Memory stays flat: past MAX_TEMPLATES, a file of a new size adds nothing."""
+    monkeypatch.setattr(zip_templates, "MAX_TEMPLATES", 2)
+    for n in range(1, 8):
+        read_bytes(saved(torch.ones(n * 100), f"{n:08x}"), f"{n}.pt")  # sizes 400 B apart
+    assert zip_templates._count == 2
+    assert len(zip_templates._templates) == 2 and len(zip_templates._spans) == 2
