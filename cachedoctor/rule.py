@@ -14,7 +14,7 @@ they know comes from the readers and the layouts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -73,6 +73,14 @@ class Rule:
             details=details,
             fix=action,
         )
+
+    def problem_findings(self, layouts: Sequence[Layout], kind: str) -> Iterator[Finding]:
+        """A finding of this rule for every config problem of `kind` the layouts report."""
+        for layout in layouts:
+            for problem in layout.problems:
+                if problem.kind == kind:
+                    yield self.config_finding(problem.origin, problem.message, problem.dataset,
+                                              **problem.details)
 
     def config_finding(self, origin: Origin, message: str, dataset: str | None = None,
                        change: str | None = None, **details: Any) -> Finding:

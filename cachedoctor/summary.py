@@ -19,6 +19,7 @@ import re
 import sqlite3
 from collections import Counter
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta, TensorMeta
@@ -203,11 +204,6 @@ def encode(dataset: str | None, summaries: list[FileSummary]) -> tuple[str, byte
     return dataset or "", marshal.dumps((list(counts.items()), [tuple(s) for s in summaries]))
 
 
-def _group(s: FileSummary) -> tuple:
-    return (s.role, s.family, s.bucket, s.shape, s.expected, s.dtype, s.format, s.locations,
-            s.signature)
-
-
 class Group(NamedTuple):
     """The facts of a summary that dataset rules compare (see DatasetView.tally)."""
 
@@ -220,6 +216,9 @@ class Group(NamedTuple):
     format: str
     locations: tuple[str, ...]
     signature: tuple[tuple[str, int | None], ...]
+
+
+_group = attrgetter(*Group._fields)  # a summary's Group, as a plain tuple
 
 
 # (dataset, side, key, path, mtime, flag, note)

@@ -31,11 +31,7 @@ from cachedoctor.rule import Rule, RuleContext
 
 
 def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Finding]:
-    for layout in layouts:
-        for problem in layout.problems:
-            if problem.kind == MISSING_PATH:
-                yield RULE.config_finding(problem.origin, problem.message, problem.dataset,
-                                          **problem.details)
+    return RULE.problem_findings(layouts, MISSING_PATH)
 
 
 RULE = Rule(

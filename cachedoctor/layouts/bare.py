@@ -70,17 +70,9 @@ def _aggregates(path: str) -> dict[str, onetrainer.Samples]:
 def _variations(parent: str, groups: bool) -> list[str]:
     """The variation-<n> folders in `parent`, or (groups) in each of its sub-folders, sorted.
     Plain listings rather than glob: a big cache folder's names are each tested once, cheaply."""
-    tops = [os.path.join(parent, n) for n in _names(parent) if not n.startswith(".")] if groups \
-        else [parent]
-    return sorted(os.path.join(top, n) for top in tops for n in _names(top)
+    tops = [os.path.join(parent, n) for n in listdir(parent) if not n.startswith(".")] if groups else [parent]
+    return sorted(os.path.join(top, n) for top in tops for n in listdir(top)
                   if n.startswith("variation-") and onetrainer.VARIATION.match(n))
-
-
-def _names(folder: str) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:  # not a folder, gone, unreadable: nothing of OneTrainer's in it
-        return []
 
 
 @dataclass(frozen=True)
