@@ -17,6 +17,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachedoctor.checks import RULES
 from cachedoctor.findings import Finding, Report
@@ -100,7 +101,13 @@ def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
 # instead of running every rule again. Rules may look at a latent's or text file's facts and
 # its entry, never its path or mtime (rule.py); other roles (temp files, images) always run.
 # Verdicts hold for one scan's options, rules and datasets (`_verdicts_for`, by identity).
-_verdicts: dict[tuple, tuple[FileMeta, list[Finding], Content | None]] = {}
+class _Verdict(NamedTuple):
+    same: FileMeta  # the file whose facts these are (held, so its id stays its own)
+    findings: list[Finding]
+    content: Content | None
+
+
+_verdicts: dict[tuple, _Verdict] = {}
 _verdicts_for: tuple = ()
 MAX_VERDICTS = 1024
 SHARED_ROLES = (LATENT, TEXT)
@@ -140,13 +147,13 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
         if same is not None and entry.role in SHARED_ROLES:
             seen = (id(same), meta.compression, entry.role, entry.area, entry.dataset, entry.bucket)
             verdict = _verdicts.get(seen)
-            if verdict is None or verdict[0] is not same:
-                verdict = (same, _run(checks, meta, entry, deep, settings, dataset),
-                           content(entry.role, meta))
+            if verdict is None or verdict.same is not same:
+                verdict = _Verdict(same, _run(checks, meta, entry, deep, settings, dataset),
+                                   content(entry.role, meta))
                 if len(_verdicts) >= MAX_VERDICTS:
                     _verdicts.clear()
                 _verdicts[seen] = verdict
-            for found in verdict[1]:
+            for found in verdict.findings:
                 findings.append(found if found.path == meta.path
                                 else dataclasses.replace(found, path=meta.path))
         else:
@@ -163,7 +170,7 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                 if facts.key is not None:
                     coverage.append((key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0,
                                      facts.naming))
-        summary = summarize(entry, meta, facts, verdict[2] if verdict else None)
+        summary = summarize(entry, meta, facts, verdict.content if verdict else None)
         if summary is not None:
             summaries.append(summary)
     blobs = [encode(batch.dataset, summaries)] if summaries else []

@@ -24,7 +24,7 @@ Window = tuple[int, bytes]  # (offset, the bytes there)
 class Source(Protocol):
     size: int
     buffer: bytes | None  # every byte, when they are all in memory anyway
-    windows: tuple[Window, ...]  # what is in memory: the whole file, or its head and tail
+    windows: tuple[Window, ...]  # what is in memory: the whole file, its head and tail, or spans
 
     def pread(self, offset: int, n: int) -> bytes:
         """Up to n bytes at offset; fewer at the end of the data, never an error for a range."""
@@ -49,7 +49,7 @@ class FileSource:
     bytes decide a file of a layout it has seen); any other range is read on request."""
 
     def __init__(self, fd: int, size: int, position: int | None = None,
-                 spans: tuple[tuple[int, int], ...] | None = None) -> None:
+                 spans: Spans | None = None) -> None:
         self._fd = fd
         self._pos = position  # the descriptor's offset, when known: saves an lseek
         self.size = size
@@ -93,8 +93,10 @@ class FileSource:
         return self._read(offset, end - offset)
 
 
-def open_source(path: str, spans_for: Callable[[int], tuple[tuple[int, int], ...] | None] | None = None,
-                ) -> tuple[int, FileSource]:
+Spans = tuple[tuple[int, int], ...]  # (offset, length) ranges of a file
+
+
+def open_source(path: str, spans_for: Callable[[int], Spans | None] | None = None) -> tuple[int, FileSource]:
     """Open `path` for reading; the caller closes the returned descriptor. `spans_for(size)`
     may name the (offset, length) spans to read, given the file's size.
 

@@ -98,17 +98,16 @@ def read_directory(src: Source) -> ZipDirectory:
     """Parse the central directory of the zip in `src`; raise ZipError if it is broken.
 
     Runs once per file of a scan, so it parses in place: offsets into the whole file when it
-    is in memory (small files), else into the cached tail window, which holds the end records
-    and the directory of a torch file of up to about 80 tensors (a bigger directory is read).
+    is in memory (small files), else into the window the source holds at the file's end, which
+    holds the end records and the directory of most torch files (anything else is read).
     """
     size = src.size
     if size < EOCD.size:
         raise ZipError(_truncation_message(src))
     whole = src.buffer
-    if whole is not None:
-        base, tail = 0, whole
-    else:
-        base = max(0, size - WINDOW)  # the tail FileSource keeps in memory
+    base, tail = src.windows[-1]
+    if base + len(tail) != size:  # (a file that shrank while read)
+        base = max(0, size - WINDOW)
         tail = src.pread(base, size - base)
     at = size - EOCD.size - base
     if tail[at : at + 4] == EOCD_SIG and tail[at + 20 : at + 22] == b"\0\0":
