@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from cachedoctor.layouts import aitoolkit, bare, kohya, onetrainer, simpletuner, sources
 from cachedoctor.layouts.base import ConfigProblem, Dataset, Layout, Origin, TargetError
-from cachedoctor.layouts.common import unique
+from cachedoctor.layouts.common import one_listing_each, unique
 
 __all__ = ["LAYOUTS", "ConfigProblem", "Dataset", "Layout", "Origin", "TargetError", "resolve"]
 
@@ -35,14 +35,15 @@ LAYOUTS = {
 def resolve(targets: Iterable[str]) -> list[Layout]:
     """The Layouts of `targets`; a target that does not exist is a TargetError."""
     layouts: list[Layout] = []
-    for target in targets:
-        if not os.path.lexists(target):
-            raise TargetError(f"{target}: no such file or directory")
-        if os.path.isdir(target):
-            found = project(target)
-            layouts.extend(found or [bare.layout(target)])
-        else:
-            layouts.append(config_layout(target) or bare.layout(target))
+    with one_listing_each():
+        for target in targets:
+            if not os.path.lexists(target):
+                raise TargetError(f"{target}: no such file or directory")
+            if os.path.isdir(target):
+                found = project(target)
+                layouts.extend(found or [bare.layout(target)])
+            else:
+                layouts.append(config_layout(target) or bare.layout(target))
     return _distinct(layouts)
 
 

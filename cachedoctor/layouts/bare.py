@@ -25,6 +25,9 @@ from cachedoctor.layouts.base import NO_FACTS, CacheFacts, Dataset, DirectoryNam
 from cachedoctor.layouts.common import listdir
 
 SHA256_PT = re.compile(r"^[0-9a-f]{64}\.pt$")
+# mgds names a OneTrainer group folder by a sha256 hexdigest (Nerogar/mgds:
+# src/mgds/pipelineModules/DiskCache.py, `__string_key`): only such folders are looked into.
+GROUP = re.compile(r"^[0-9a-f]{64}$")
 
 
 def layout(path: str) -> Layout:
@@ -42,7 +45,7 @@ def layout(path: str) -> Layout:
 
 def _kohya_image_dir(path: str) -> bool:
     names = listdir(path)
-    return any(kohya.LATENT_NAME.match(n) for n in names) and any(
+    return any(n.endswith(".npz") and kohya.LATENT_NAME.match(n) for n in names) and any(
         n.endswith(kohya.IMAGE_EXTENSIONS) for n in names)
 
 
@@ -68,9 +71,11 @@ def _aggregates(path: str) -> dict[str, onetrainer.Samples]:
 
 
 def _variations(parent: str, groups: bool) -> list[str]:
-    """The variation-<n> folders in `parent`, or (groups) in each of its sub-folders, sorted.
-    Plain listings rather than glob: a big cache folder's names are each tested once, cheaply."""
-    tops = [os.path.join(parent, n) for n in listdir(parent) if not n.startswith(".")] if groups else [parent]
+    """The variation-<n> folders in `parent`, or (groups) in each of its group folders, sorted.
+    Plain listings rather than glob: a big cache folder's names are each tested once, cheaply,
+    and only group-named folders are listed (a flat cache's files are not tried as folders)."""
+    tops = [os.path.join(parent, n) for n in listdir(parent)
+            if len(n) == 64 and GROUP.match(n)] if groups else [parent]
     return sorted(os.path.join(top, n) for top in tops for n in listdir(top)
                   if n.startswith("variation-") and onetrainer.VARIATION.match(n))
 

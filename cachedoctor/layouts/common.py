@@ -1,10 +1,12 @@
 """Helpers the layout modules share: typed reads of config keys that collect ConfigProblems,
-the working directory a trainer resolves relative paths against, unique dataset ids."""
+the working directory a trainer resolves relative paths against, unique dataset ids, folder
+listings."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from cachedoctor.layouts.base import INVALID, MISSING_PATH, ConfigProblem, Origin, frozen
@@ -88,8 +90,36 @@ def unique(ids: Iterable[str]) -> list[str]:
     return out
 
 
-def listdir(path: str) -> list[str]:
+# Listings made while targets resolve: every trainer looks into a project folder, and a bare
+# cache dir is searched for kohya, ai-toolkit and OneTrainer layouts; listed once each, a flat
+# cache of a million files costs one listing, not six.
+_listings: dict[str, tuple[str, ...]] | None = None
+
+
+@contextmanager
+def one_listing_each() -> Iterator[None]:
+    """Within this block, listdir lists each path once (the names are shared: a tuple)."""
+    global _listings
+    outer = _listings
+    _listings = {} if outer is None else outer
     try:
-        return sorted(os.listdir(path))
+        yield
+    finally:
+        _listings = outer
+
+
+def listdir(path: str) -> tuple[str, ...]:
+    """The sorted names in `path`; none when it is not a readable directory."""
+    if _listings is not None:
+        names = _listings.get(path)
+        if names is None:
+            names = _listings[path] = _listdir(path)
+        return names
+    return _listdir(path)
+
+
+def _listdir(path: str) -> tuple[str, ...]:
+    try:
+        return tuple(sorted(os.listdir(path)))
     except OSError:
-        return []
+        return ()
