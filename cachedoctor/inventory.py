@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import errno
 import fnmatch
-import itertools
 import os
 import re
 import stat
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from cachedoctor.formats import describe_os_error
@@ -131,12 +131,13 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
 
     The walk lists directories only: d_type tells files from directories without a syscall,
     so only symlinks are stat'ed, and files are first touched by the worker that reads them.
-    `shard=(rank, world)` keeps every world-th file in sorted order (the same on every rank).
+    A directory streams: a batch leaves as soon as it is full, so a flat cache of a million
+    files is never held in memory. `shard=(rank, world)` keeps the files whose path under
+    `root` hashes to `rank` (the same split on every rank, in any listing order).
     `recursive=False` lists the files of `root` only; sub-directories whose (st_dev, st_ino)
     is in `prune` are skipped (they are walked as roots of their own).
     """
     root = os.path.abspath(root)
-    counter = itertools.count()
     try:
         st = os.stat(root)
     except OSError as exc:
@@ -144,59 +145,89 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     ((root, describe_os_error(exc)),))
         return
     if not stat.S_ISDIR(st.st_mode):
-        if shard is None or next(counter) % shard[1] == shard[0]:
-            yield Batch(os.path.dirname(root), (os.path.basename(root),), dataset, None, area)
+        name = os.path.basename(root)
+        if shard is None or _mine(shard, b"")(name):
+            yield Batch(os.path.dirname(root), (name,), dataset, None, area)
         return
     seen = {(st.st_dev, st.st_ino)}
     stack = [root]
     while stack:
         directory = stack.pop()
         bucket = None if directory == root else os.path.relpath(directory, root)
+        mine = None if shard is None else _mine(
+            shard, b"" if bucket is None else os.fsencode(bucket) + b"/")
         names: list[str] = []
         errors: list[tuple[str, str]] = []
         try:
-            with os.scandir(directory) as it:
-                children = list(it)
+            listing = os.scandir(directory)
         except OSError as exc:
             yield Batch(directory, (), dataset, None, area, ((directory, describe_os_error(exc)),))
             continue
-        if shard is not None:
-            children.sort(key=lambda c: c.name)
-        for child in children:
-            try:
-                is_file, is_dir = child.is_file(), child.is_dir()
-            except OSError as exc:  # a symlink loop
-                errors.append((child.path, describe_os_error(exc)))
-                continue
-            if is_file:
-                if shard is None or next(counter) % shard[1] == shard[0]:
-                    names.append(child.name)
-            elif is_dir:
-                if child.name == STATE_DIR or not recursive:
-                    continue
+        with listing:
+            for child in _children(listing, directory, errors):
                 try:
-                    cst = child.stat()
-                except OSError as exc:
+                    is_file, is_dir = child.is_file(), child.is_dir()
+                except OSError as exc:  # a symlink loop
                     errors.append((child.path, describe_os_error(exc)))
                     continue
-                key = (cst.st_dev, cst.st_ino)
-                if key in prune:
-                    continue
-                if key in seen:
-                    if child.is_symlink():
-                        errors.append((child.path, "symlink loop: points back to a directory "
-                                                   "already scanned"))
-                    continue
-                seen.add(key)
-                stack.append(child.path)
-            elif child.is_symlink():  # neither file nor dir: dangling, or a loop
-                errors.append((child.path, _link_error(child.path)))
-            # sockets, FIFOs and devices are no cache files and must never be opened
-        if shard is not None and shard[0] != 0:
-            errors = []  # rank 0 reports what could not be listed, once
-        for at in range(0, max(len(names), 1 if errors else 0), size):
-            yield Batch(directory, tuple(names[at : at + size]), dataset, bucket, area,
-                        tuple(errors) if at == 0 else ())
+                if is_file:
+                    if mine is None or mine(child.name):
+                        names.append(child.name)
+                        if len(names) == size:
+                            yield _batch(directory, names, dataset, bucket, area, errors, shard)
+                            names, errors = [], []
+                elif is_dir:
+                    if child.name == STATE_DIR or not recursive:
+                        continue
+                    try:
+                        cst = child.stat()
+                    except OSError as exc:
+                        errors.append((child.path, describe_os_error(exc)))
+                        continue
+                    key = (cst.st_dev, cst.st_ino)
+                    if key in prune:
+                        continue
+                    if key in seen:
+                        if child.is_symlink():
+                            errors.append((child.path, "symlink loop: points back to a "
+                                                       "directory already scanned"))
+                        continue
+                    seen.add(key)
+                    stack.append(child.path)
+                elif child.is_symlink():  # neither file nor dir: dangling, or a loop
+                    errors.append((child.path, _link_error(child.path)))
+                # sockets, FIFOs and devices are no cache files and must never be opened
+        if names or (errors and (shard is None or shard[0] == 0)):
+            yield _batch(directory, names, dataset, bucket, area, errors, shard)
+
+
+def _children(listing: Iterator[os.DirEntry], directory: str,
+              errors: list[tuple[str, str]]) -> Iterator[os.DirEntry]:
+    """The entries of an open listing; a directory that fails part-way (a dying disk, a
+    network share gone) ends with an error row instead of raising."""
+    while True:
+        try:
+            yield next(listing)
+        except StopIteration:
+            return
+        except OSError as exc:
+            errors.append((directory, describe_os_error(exc)))
+            return
+
+
+def _batch(directory: str, names: list[str], dataset: str | None, bucket: str | None,
+           area: str, errors: list[tuple[str, str]], shard: tuple[int, int] | None) -> Batch:
+    if shard is not None and shard[0] != 0:
+        errors = []  # rank 0 reports what could not be listed, once
+    return Batch(directory, tuple(names), dataset, bucket, area, tuple(errors))
+
+
+def _mine(shard: tuple[int, int], prefix: bytes) -> Callable[[str], bool]:
+    """Whether a file of a directory (`prefix`: its path under the root, with a slash) is
+    this rank's: a CRC-32 of the path, so no rank needs the whole sorted listing."""
+    rank, world = shard
+    start = zlib.crc32(prefix)
+    return lambda name: zlib.crc32(os.fsencode(name), start) % world == rank
 
 
 def _link_error(path: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cachedoctor.inventory import IMAGE, LATENT, METADATA, OTHER, TEMP, TEXT, classify, walk
+from cachedoctor.inventory import IMAGE, LATENT, METADATA, OTHER, TEMP, TEXT, batches, classify, walk
 
 
 @pytest.mark.parametrize(
@@ -99,3 +99,63 @@ def test_unlistable_directory_is_reported(fs) -> None:
     found = {(f.code, f.path, f.message) for f in scan_paths("/cache").findings}
     assert found == {("CD001", "/cache/locked", "cannot read: permission denied"),
                      ("CD102", "/cache/ok.pt", "empty file: 0 bytes where a cache entry should be")}
+
+
+class _CountingListing:
+    """os.scandir's iterator, counting the entries taken from it."""
+
+    taken = 0
+
+    def __init__(self, path: str) -> None:
+        self._it = _real_scandir(path)
+
+    def __enter__(self) -> _CountingListing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._it.close()
+
+    def __iter__(self) -> _CountingListing:
+        return self
+
+    def __next__(self) -> os.DirEntry:
+        entry = next(self._it)
+        _CountingListing.taken += 1
+        return entry
+
+
+_real_scandir = os.scandir
+
+
+def test_a_flat_directory_streams_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch leaves as soon as it is full: a flat cache of a million files is never held."""
+    for i in range(250):
+        (tmp_path / f"{i:03d}.pt").write_bytes(b"")
+    monkeypatch.setattr(os, "scandir", _CountingListing)
+    _CountingListing.taken = 0
+    walk_ = batches(str(tmp_path), size=100)
+    first = next(walk_)
+    assert len(first.names) == 100 and _CountingListing.taken == 100
+    rest = list(walk_)
+    assert [len(b.names) for b in rest] == [100, 50]
+    names = {n for b in (first, *rest) for n in b.names}
+    assert len(names) == 250
+
+
+def test_shards_split_by_path_whatever_the_listing_order(tmp_path: Path) -> None:
+    """Every file is one rank's, and which rank's depends on its path under the root only."""
+    rel = [f"{i:03d}.pt" for i in range(60)] + [f"bucket/{i:03d}.pt" for i in range(40)]
+    for root, order in ((tmp_path / "a", rel), (tmp_path / "b", rel[::-1])):
+        for name in order:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(b"")
+
+    def shares(root: Path) -> list[set[str]]:
+        return [{os.path.relpath(e.path, root) for e in
+                 (e for b in batches(str(root), shard=(rank, 3)) for e in b.entries())}
+                for rank in range(3)]
+
+    split = shares(tmp_path / "a")
+    assert split == shares(tmp_path / "b")
+    assert set().union(*split) == set(rel) and sum(map(len, split)) == len(rel)
+    assert all(len(share) > 15 for share in split)  # 100 files over 3 ranks, by a hash

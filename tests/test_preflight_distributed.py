@@ -53,7 +53,8 @@ def test_both_ranks_raise_with_the_same_findings_each_reading_half(ranks) -> Non
     assert rank0["files"] == len(everything) == 10
     assert set(rank0["read"]) | set(rank1["read"]) == everything
     assert not set(rank0["read"]) & set(rank1["read"])
-    assert abs(len(rank0["read"]) - len(rank1["read"])) <= 1
+    # the split is by a hash of each path (no rank holds a sorted listing): even on average only
+    assert rank0["read"] and rank1["read"]
 
 
 def test_a_rank_that_fails_makes_every_rank_raise_its_error(ranks) -> None:

@@ -23,7 +23,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -72,10 +72,14 @@ def claims(config: ConfigFile) -> bool:
 
 def discover(folder: str) -> list[str]:
     found = []
-    for where in (os.path.join(folder, "config"), folder):
-        found += [os.path.join(where, n) for n in listdir(where)
-                  if n.endswith((".yaml", ".yml")) or (where != folder and n.endswith(".json"))]
+    for where, suffixes in ((os.path.join(folder, "config"), (".yaml", ".yml", ".json")),
+                            (folder, (".yaml", ".yml"))):
+        found += [os.path.join(where, n) for n in listdir(where, _ending(suffixes))]
     return found
+
+
+def _ending(suffixes: tuple[str, ...]) -> Callable[[str], bool]:
+    return lambda name: name.endswith(suffixes)
 
 
 def _reason(root: str) -> str:

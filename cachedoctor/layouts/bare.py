@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts import aitoolkit, kohya, onetrainer
 from cachedoctor.layouts.base import NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
-from cachedoctor.layouts.common import listdir
+from cachedoctor.layouts.common import listdir, names
 
 SHA256_PT = re.compile(r"^[0-9a-f]{64}\.pt$")
 # mgds names a OneTrainer group folder by a sha256 hexdigest (Nerogar/mgds:
@@ -44,9 +44,9 @@ def layout(path: str) -> Layout:
 
 
 def _kohya_image_dir(path: str) -> bool:
-    names = listdir(path)
-    return any(n.endswith(".npz") and kohya.LATENT_NAME.match(n) for n in names) and any(
-        n.endswith(kohya.IMAGE_EXTENSIONS) for n in names)
+    found = names(path)
+    return any(n.endswith(".npz") and kohya.LATENT_NAME.match(n) for n in found) and any(
+        n.endswith(kohya.IMAGE_EXTENSIONS) for n in found)
 
 
 def _aggregates(path: str) -> dict[str, onetrainer.Samples]:
@@ -74,10 +74,16 @@ def _variations(parent: str, groups: bool) -> list[str]:
     """The variation-<n> folders in `parent`, or (groups) in each of its group folders, sorted.
     Plain listings rather than glob: a big cache folder's names are each tested once, cheaply,
     and only group-named folders are listed (a flat cache's files are not tried as folders)."""
-    tops = [os.path.join(parent, n) for n in listdir(parent)
-            if len(n) == 64 and GROUP.match(n)] if groups else [parent]
-    return sorted(os.path.join(top, n) for top in tops for n in listdir(top)
-                  if n.startswith("variation-") and onetrainer.VARIATION.match(n))
+    tops = [os.path.join(parent, n) for n in listdir(parent, _group)] if groups else [parent]
+    return sorted(os.path.join(top, n) for top in tops for n in listdir(top, _variation))
+
+
+def _group(name: str) -> bool:
+    return len(name) == 64 and GROUP.match(name) is not None
+
+
+def _variation(name: str) -> bool:
+    return name.startswith("variation-") and onetrainer.VARIATION.match(name) is not None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ listings."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -98,7 +98,7 @@ _listings: dict[str, tuple[str, ...]] | None = None
 
 @contextmanager
 def one_listing_each() -> Iterator[None]:
-    """Within this block, listdir lists each path once (the names are shared: a tuple)."""
+    """Within this block, names() and listdir() list each path once."""
     global _listings
     outer = _listings
     _listings = {} if outer is None else outer
@@ -108,18 +108,24 @@ def one_listing_each() -> Iterator[None]:
         _listings = outer
 
 
-def listdir(path: str) -> tuple[str, ...]:
-    """The sorted names in `path`; none when it is not a readable directory."""
+def names(path: str) -> tuple[str, ...]:
+    """The names in `path`, in no order; none when it is not a readable directory."""
     if _listings is not None:
-        names = _listings.get(path)
-        if names is None:
-            names = _listings[path] = _listdir(path)
-        return names
-    return _listdir(path)
+        found = _listings.get(path)
+        if found is None:
+            found = _listings[path] = _names(path)
+        return found
+    return _names(path)
 
 
-def _listdir(path: str) -> tuple[str, ...]:
+def listdir(path: str, keep: Callable[[str], object] | None = None) -> list[str]:
+    """The names in `path` that `keep` accepts, sorted (filtered first: only the few a caller
+    wants from a big cache folder are sorted)."""
+    return sorted(names(path) if keep is None else filter(keep, names(path)))
+
+
+def _names(path: str) -> tuple[str, ...]:
     try:
-        return tuple(sorted(os.listdir(path)))
+        return tuple(os.listdir(path))
     except OSError:
         return ()

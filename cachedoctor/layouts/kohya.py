@@ -78,7 +78,7 @@ def is_dataset_config(data: dict) -> bool:
 
 
 def discover(folder: str) -> list[str]:
-    return [os.path.join(folder, n) for n in listdir(folder) if n.endswith(".toml")]
+    return [os.path.join(folder, n) for n in listdir(folder, lambda n: n.endswith(".toml"))]
 
 
 def flatten(data: dict) -> dict:
