@@ -12,8 +12,9 @@ Targets (issue #2): scan >= 6x the torch.load loop at the same core count, and w
 the read-tail loop. The loops run in this process with torch imported, so they are judged per
 file (the scan's start-up, measured as a scan of an empty dir, left out on both sides), and
 also against the fresh-process script (start-up in on both sides), and as measured (the scan's
-start-up in, the loops' out). Also reports the scan's peak RSS for one folder and for all N
-files: memory must not grow with the number of clean files.
+start-up in, the loops' out). Also reports the scan's peak RSS for one folder, for all N files
+in folders of 1,000, and for all N in one flat folder (hard links): memory must not grow with
+the number of clean files.
 
 Each file is `{"latent": t, "original_size": (w, h), "crop": (0, 0)}` as in the measurements
 of shared/research/tensor-formats.md §7 that set the targets (`--layout dict`), or a bare
@@ -86,6 +87,16 @@ def _read_tail(paths: list[str]) -> int:
             f.seek(max(0, size - 65536))
             f.read(65536)
     return len(paths)
+
+
+def _flat_links(root: str, paths: list[str]) -> str:
+    """One folder holding every file (hard links: no copy, the same page cache)."""
+    flat = os.path.join(root, "flat")
+    shutil.rmtree(flat, ignore_errors=True)
+    os.mkdir(flat)
+    for i, path in enumerate(paths):
+        os.link(path, os.path.join(flat, f"{i:08d}.pt"))
+    return flat
 
 
 def timed_loop(fn, paths: list[str], jobs: int) -> float:
@@ -187,8 +198,14 @@ def main() -> None:
         part = [os.path.join(root, CACHES[0], "part000")]
         small, full = peak_rss_kib(part, cores), peak_rss_kib(targets, cores)
         in_part = len(os.listdir(part[0]))
+        flat = _flat_links(root, paths)  # a SimpleTuner-style flat cache: every file in one folder
+        try:
+            flat_rss = peak_rss_kib([flat], cores)
+        finally:
+            shutil.rmtree(flat, ignore_errors=True)
         print(f"peak RSS of the largest scan process: {small / 1024:.0f} MiB for one folder "
-              f"({in_part:,} files), {full / 1024:.0f} MiB for {n:,} files")
+              f"({in_part:,} files), {full / 1024:.0f} MiB for {n:,} files in folders of "
+              f"{PER_DIR:,}, {flat_rss / 1024:.0f} MiB for {n:,} files in one folder")
         # The loops run in this process, torch imported: the scan's own start-up has no
         # counterpart in them, so the targets are judged per file, like for like, and also
         # as measured (the scan's start-up in, the loops' out).
