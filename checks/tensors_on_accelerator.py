@@ -12,6 +12,8 @@ tensors with live ones fails with `Expected all tensors to be on the same device
 
 Not reported where the trainer itself loads the cache onto that device: OneTrainer saves from
 and loads to its `train_device` (`map_location=train_device`), so `cuda:0` is expected there.
+A OneTrainer cache scanned without its config (known by its `aggregate.pt` files) may hold any
+device: the train_device is in the config.
 
 ## Example
 ```
@@ -28,12 +30,15 @@ from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts.base import ANY_DEVICE
 from cachedoctor.rule import Rule, RuleContext
 
 
 def expected(location: str, device: str | None) -> bool:
     """Whether a storage saved at `location` is where a trainer loading onto `device` wants it
     ("cuda" matches "cuda:0"; no device means the CPU)."""
+    if device == ANY_DEVICE:
+        return True
     if device is None or location == "cpu":
         return location == "cpu"
     return location == device or (":" not in device and location.split(":")[0] == device)

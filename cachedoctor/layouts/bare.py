@@ -5,8 +5,11 @@ no bucket: a SimpleTuner VAE cache is flat with every aspect mixed), except wher
 or place shows a trainer's own layout, whose bucket semantics then apply:
 - `_latent_cache/*.safetensors` (ai-toolkit): the crop size in the header metadata;
 - `<stem>_<W>x<H>_<arch>.npz` and legacy `<stem>.npz` (kohya): no bucket (the name gives the
-  image's size, the bucket needs the dataset's settings); a directory whose top holds such
-  files beside images is an image dir with kohya's caches, where images belong;
+  image's size, the bucket needs the dataset's settings); a directory that holds such files
+  beside images, or a train_data_dir whose `<repeats>_<name>` sub-folders do, is an image dir
+  with kohya's caches, where images belong;
+- an image folder holding `_latent_cache/` (ai-toolkit), or a folder of such image folders:
+  the images belong, the `_latent_cache` folders are its caches;
 - `variation-<n>/<i>.pt` (OneTrainer): `crop_resolution` from the folder's `aggregate.pt`, or
   no bucket without one;
 - `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders).
@@ -21,8 +24,8 @@ from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts import aitoolkit, kohya, onetrainer
-from cachedoctor.layouts.base import NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
-from cachedoctor.layouts.common import listdir, names
+from cachedoctor.layouts.base import ANY_DEVICE, NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
+from cachedoctor.layouts.common import listdir, names, subdirs
 
 SHA256_PT = re.compile(r"^[0-9a-f]{64}\.pt$")
 # mgds names a OneTrainer group folder by a sha256 hexdigest (Nerogar/mgds:
@@ -33,20 +36,40 @@ GROUP = re.compile(r"^[0-9a-f]{64}$")
 def layout(path: str) -> Layout:
     path = os.path.abspath(path)
     name = os.path.basename(path.rstrip(os.sep)) or path
-    if os.path.isdir(path) and _kohya_image_dir(path):
+    isdir = os.path.isdir(path)
+    if isdir and (_kohya_image_dir(path) or any(
+            _kohya_image_dir(os.path.join(path, sub)) for sub in subdirs(path, kohya.subset_folder))):
         naming = kohya.KohyaNaming(root=path, buckets=None)
         dataset = Dataset(name, image_dirs=(path,), latent_cache_dir=path, text_cache_dir=path,
                           caches_beside_images=True, naming=naming)
         return Layout("bare", None, (dataset,))
+    latent_caches = _aitoolkit_caches(path) if isdir else []
+    if latent_caches:
+        dataset = Dataset(name, cache_dirs=tuple(latent_caches), image_dirs=(path,),
+                          caches_beside_images=True, naming=BareNaming(frozen({})))
+        return Layout("bare", None, (dataset,))
     aggregates = _aggregates(path) if os.path.isdir(path) else {}
     naming = BareNaming(frozen(aggregates))
-    return Layout("bare", None, (Dataset(name, (path,), naming=naming),))
+    # OneTrainer saves from and loads to its train_device (mgds DiskCache: torch.save without
+    # .cpu(), torch.load with map_location): without the config, any device is its own
+    device = ANY_DEVICE if aggregates else None
+    return Layout("bare", None, (Dataset(name, (path,), naming=naming, expected_device=device),))
 
 
 def _kohya_image_dir(path: str) -> bool:
     found = names(path)
     return any(n.endswith(".npz") and kohya.LATENT_NAME.match(n) for n in found) and any(
         n.endswith(kohya.IMAGE_EXTENSIONS) for n in found)
+
+
+def _aitoolkit_caches(path: str) -> list[str]:
+    """The `_latent_cache` folders of an ai-toolkit image folder, or of the image folders in
+    it (a stat per sub-folder, not a listing)."""
+    if aitoolkit.LATENT_DIR in subdirs(path):
+        return [os.path.join(path, aitoolkit.LATENT_DIR)]
+    found = (os.path.join(path, sub, aitoolkit.LATENT_DIR) for sub in subdirs(path)
+             if sub != aitoolkit.LATENT_DIR)
+    return [cache for cache in found if os.path.isdir(cache)]
 
 
 def _aggregates(path: str) -> dict[str, onetrainer.Samples]:

@@ -72,6 +72,9 @@ class Origin:
 
 MISSING_PATH = "missing-path"  # CD408
 INVALID = "invalid"  # CD409
+# Dataset.expected_device of a trainer that loads its cache with map_location=<its device>,
+# whose device is not known (a OneTrainer cache scanned without its config)
+ANY_DEVICE = "any"
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,8 @@ class Dataset:
     vae_factor: int = 8
     model_family: str | None = None
     processes: int = 1
-    expected_device: str | None = None  # where the trainer loads cached tensors; None = cpu
+    expected_device: str | None = None  # where the trainer loads cached tensors; None = cpu,
+    # ANY_DEVICE: the trainer maps every tensor to its device on load, whichever that is
     cache_rebuilt_at_start: bool = False  # coverage does not matter: the trainer starts afresh
     options: Mapping[str, Any] = field(default_factory=frozen)  # trainer cache options
     origins: Mapping[str, Origin] = field(default_factory=frozen)  # fact or option -> origin

@@ -93,12 +93,12 @@ def unique(ids: Iterable[str]) -> list[str]:
 # Listings made while targets resolve: every trainer looks into a project folder, and a bare
 # cache dir is searched for kohya, ai-toolkit and OneTrainer layouts; listed once each, a flat
 # cache of a million files costs one listing, not six.
-_listings: dict[str, tuple[str, ...]] | None = None
+_listings: dict[str, tuple[tuple[str, ...], frozenset[str]]] | None = None
 
 
 @contextmanager
 def one_listing_each() -> Iterator[None]:
-    """Within this block, names() and listdir() list each path once."""
+    """Within this block, names(), listdir() and subdirs() list each path once."""
     global _listings
     outer = _listings
     _listings = {} if outer is None else outer
@@ -110,12 +110,7 @@ def one_listing_each() -> Iterator[None]:
 
 def names(path: str) -> tuple[str, ...]:
     """The names in `path`, in no order; none when it is not a readable directory."""
-    if _listings is not None:
-        found = _listings.get(path)
-        if found is None:
-            found = _listings[path] = _names(path)
-        return found
-    return _names(path)
+    return _listing(path)[0]
 
 
 def listdir(path: str, keep: Callable[[str], object] | None = None) -> list[str]:
@@ -124,8 +119,33 @@ def listdir(path: str, keep: Callable[[str], object] | None = None) -> list[str]
     return sorted(names(path) if keep is None else filter(keep, names(path)))
 
 
-def _names(path: str) -> tuple[str, ...]:
+def subdirs(path: str, keep: Callable[[str], object] | None = None) -> list[str]:
+    """The names of the directories in `path` (symlinks to one included) that `keep` accepts,
+    sorted: known from the listing itself, without a stat per name."""
+    dirs = _listing(path)[1]
+    return sorted(dirs if keep is None else filter(keep, dirs))
+
+
+def _listing(path: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    if _listings is None:
+        return _list(path)
+    found = _listings.get(path)
+    if found is None:
+        found = _listings[path] = _list(path)
+    return found
+
+
+def _list(path: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    names, dirs = [], []
     try:
-        return tuple(os.listdir(path))
+        with os.scandir(path) as listing:
+            for entry in listing:
+                names.append(entry.name)
+                try:
+                    if entry.is_dir():
+                        dirs.append(entry.name)
+                except OSError:  # a symlink loop: no directory
+                    pass
     except OSError:
-        return ()
+        pass
+    return tuple(names), frozenset(dirs)

@@ -34,7 +34,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, unique
+from cachedoctor.layouts.common import Problems, listdir, subdirs, unique
 from cachedoctor.layouts.entries import (
     Changes,
     Entries,
@@ -75,6 +75,14 @@ def is_dataset_config(data: dict) -> bool:
     if "datasets" in data:
         return True
     return isinstance(data.get("general"), dict) and "dataset_config" not in flatten(data)
+
+
+def subset_folder(name: str) -> bool:
+    """A DreamBooth-style subset folder of a train_data_dir: `<repeats>_<name>`
+    (library/config_util.py `generate_dreambooth_subsets_config_by_subdirs`: the repeats come
+    from the folder's name, a folder without them is skipped)."""
+    repeats = name.split("_", 1)[0]
+    return repeats.isdigit() and int(repeats) >= 1
 
 
 def discover(folder: str) -> list[str]:
@@ -200,11 +208,9 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                 problems.missing(arg_origins[key], key, value, base, _reason(root))
                 continue
             buckets = _buckets([args], [arg_origins], problems)
-            for name in listdir(base):
-                repeats = name.split("_", 1)[0]
-                if repeats.isdigit() and int(repeats) >= 1 and os.path.isdir(os.path.join(base, name)):
-                    out.append(_Subset(os.path.join(base, name), os.path.join(value, name),
-                                       arg_origins[key], buckets))
+            for name in subdirs(base, subset_folder):
+                out.append(_Subset(os.path.join(base, name), os.path.join(value, name),
+                                   arg_origins[key], buckets))
         return out
     data = dataset_file.data
     general = data.get("general", {}) if isinstance(data.get("general"), dict) else {}

@@ -71,6 +71,17 @@ def test_onetrainer_bare_cache_gets_crop_buckets(tmp_path: Path) -> None:
             w for w in wrong if w.startswith(str(folder) + os.sep)], folder
 
 
+def test_onetrainer_bare_cache_on_its_train_device_is_clean(tmp_path: Path) -> None:
+    """mgds saves from and loads to the train_device: cuda:0 files are no CD501, config or not;
+    a cache mixing devices is still CD502."""
+    project = onetrainer.build(tmp_path / "ot")
+    report = scan_paths(project.root / "workspace-cache" / "run")
+    assert report.trainers == ("bare",) and report.findings == ()
+    mixed = onetrainer.build(tmp_path / "mixed", defects=["CD502"])
+    found = codes(scan_paths(mixed.root / "workspace-cache" / "run"))
+    assert "CD502" in found and "CD501" not in found
+
+
 # -- kohya --------------------------------------------------------------------------------------
 
 
@@ -120,6 +131,13 @@ def test_kohya_caches_beside_images_are_by_design(tmp_path: Path) -> None:
     assert not codes(report) & {"CD401", "CD107"}
     bare = scan_paths(project.root / "train" / "10_person")  # the image dir given alone
     assert bare.findings == ()
+    # the train_data_dir given alone: its <repeats>_<name> sub-folders are kohya image dirs
+    assert scan_paths(project.root / "train").findings == ()
+    # sub-folders of images without kohya's caches are still no place for images in a cache
+    other = tmp_path / "other" / "10_person"
+    other.mkdir(parents=True)
+    shutil.copyfile(project.root / "train" / "10_person" / "img_000.png", other / "img_000.png")
+    assert codes(scan_paths(other.parent)) == {"CD107"}
 
 
 def test_kohya_subfolders_of_an_image_dir_are_not_read(tmp_path: Path) -> None:
@@ -147,6 +165,16 @@ def test_aitoolkit_json_config_and_hidden_folders(tmp_path: Path) -> None:
     report = scan_paths(as_json)
     assert report.trainers == ("ai-toolkit",)
     assert report.findings == ()
+
+
+def test_aitoolkit_image_folder_scanned_bare_keeps_its_images(tmp_path: Path) -> None:
+    """ai-toolkit keeps `_latent_cache/` inside the image folder: given that folder (or the
+    folder of image folders) with no config, its images belong; its caches are still read."""
+    project = aitoolkit.build(tmp_path / "a", defects=["CD302"])
+    for target in (project.root / "datasets" / "person", project.root / "datasets"):
+        report = scan_paths(target)
+        assert report.trainers == ("bare",)
+        assert "CD107" not in codes(report) and len(by_code(report, "CD302")) == 3, target
 
 
 def test_aitoolkit_without_disk_cache_expects_none(tmp_path: Path) -> None:
@@ -200,13 +228,18 @@ def test_a_flat_cache_dir_is_listed_once(tmp_path: Path, monkeypatch: pytest.Mon
         (cache / f"{i:064x}.pt").write_bytes(b"")
     (cache / ("f" * 64)).mkdir()  # a OneTrainer group folder's name: looked into
     listed: list[str] = []
-    real = os.listdir
+    real = os.scandir, os.listdir
 
-    def counting(path: str) -> list[str]:
+    def counting(path: str) -> object:
         listed.append(os.fspath(path))
-        return real(path)
+        return real[0](path)
 
-    monkeypatch.setattr(os, "listdir", counting)
+    def counting_names(path: str) -> list[str]:
+        listed.append(os.fspath(path))
+        return real[1](path)
+
+    monkeypatch.setattr(os, "scandir", counting)
+    monkeypatch.setattr(os, "listdir", counting_names)
     for _ in range(2):  # a second resolve lists again (no stale listings between scans)
         listed.clear()
         (layout,) = resolve([str(cache)])
