@@ -346,8 +346,11 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
             progress = _Progress("Repairing") if sys.stderr.isatty() else None
 
             def started(run_id: str) -> None:
-                typer.echo(f"Applying run {run_id} (if it is interrupted, the next fix or "
-                           f"`cachedoctor undo {run_id}` finishes it)")
+                try:
+                    typer.echo(f"Applying run {run_id} (if it is interrupted, the next fix or "
+                               f"`cachedoctor undo {run_id}` finishes it)")
+                except BrokenPipeError:  # nobody reads stdout any more: the repair goes on
+                    _stdout_to_devnull()
                 if progress:
                     progress.start(len(plan.actions))
 
@@ -366,6 +369,8 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
     except RunStopped as exc:
         typer.echo(f"cachedoctor: run stopped: {exc}", err=True)
         return EXIT_FINDINGS
+    except BrokenPipeError:  # `fix --dry-run | head`: click ends it quietly (exit 1)
+        raise
     except OSError as exc:
         raise fail(f"{exc.filename or ''}: {exc.strerror or exc}") from None
 
@@ -448,6 +453,14 @@ def demo(directory: Annotated[Path, typer.Argument(help="Where to write the demo
 
 
 app.add_typer(harness_app, name="harness", help="Reproduce the field incidents on real ranks and verify their fixes.")
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that writing (and the interpreter's last flush) after the
+    reader of a pipe went away fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def main() -> None:

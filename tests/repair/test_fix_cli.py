@@ -39,6 +39,24 @@ def test_dry_run_shows_the_plan_and_changes_nothing(cache: Path) -> None:
     assert not (cache / ".cachedoctor").exists(), "a dry run creates nothing"
 
 
+def test_a_reader_that_goes_away_gets_no_error_line(cache: Path) -> None:
+    """`fix --dry-run | head -2`: the plan meets a closed pipe; it stops quietly and changes
+    nothing (it said `error: : Broken pipe`, exit 2)."""
+    every_fixable_defect(cache, cache.parent / MARKER)
+    before = tree_digest(cache)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        result = subprocess.run([sys.executable, "-m", "cachedoctor", "fix", str(cache),
+                                 "--dry-run", "-v"], stdout=write, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert "error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1  # click's status for a closed stdout
+    assert tree_digest(cache) == before
+
+
 def test_without_yes_in_a_pipe_it_refuses_with_one_line(cache: Path) -> None:
     empty_file.build(cache)
     before = tree_digest(cache)
