@@ -581,6 +581,16 @@ class SimpleTunerNaming(Naming):
     def expected_entry(self, image: str) -> str:
         return f"{os.path.basename(vae_key(self.instance_dir, image))}.pt"
 
+    def missing_text(self, image: str, cache_dir: str) -> str:
+        key = vae_key(self.instance_dir, image)
+        text = f"expected {key}.pt in {cache_dir}"
+        if os.path.dirname(key) and self.instance_dir and not os.path.isabs(self.instance_dir):
+            # vae.py removes the configured string from the image's absolute folder: the rest
+            # of that folder becomes the entry's sub-folder
+            text += (f' (SimpleTuner removes the relative instance_data_dir '
+                     f'"{self.instance_dir}" from the image\'s absolute folder and keeps the rest)')
+        return text
+
 
 class _Directory(DirectoryNaming):
     def __init__(self, naming: SimpleTunerNaming, path: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from cachedoctor.fixtures.projects import simpletuner
 from cachedoctor.layouts import resolve
-from cachedoctor.layouts.simpletuner import vae_key
+from cachedoctor.layouts.simpletuner import SimpleTunerNaming, vae_key
 
 from conftest import by_code, scan_paths
 
@@ -116,6 +116,18 @@ def test_vae_key_follows_simpletuner_str_replace() -> None:
     assert vae_key("/data/photos", "/data/photos/sub/a.jpg") == f"sub/{sha}"
     # a relative instance_data_dir leaves a fragment of the absolute path, as in SimpleTuner
     assert vae_key("data/photos", "/work/proj/data/photos/a.png") == f"work/proj/{sha}"
+
+
+def test_missing_entry_names_the_sub_folder_a_relative_instance_dir_leaves() -> None:
+    """CD404's message names the whole expected entry, not only its file name: with a relative
+    instance_data_dir, SimpleTuner nests it under the rest of the image's absolute folder."""
+    naming = SimpleTunerNaming("data/photos", "/work/proj/data/photos", "/c", {}, None, True)
+    sha = hashlib.sha256(b"a").hexdigest()
+    text = naming.missing_text("/work/proj/data/photos/a.png", "cache/vae")
+    assert text.startswith(f"expected work/proj/{sha}.pt in cache/vae (SimpleTuner removes the "
+                           'relative instance_data_dir "data/photos"')
+    absolute = SimpleTunerNaming("/d/photos", "/d/photos", "/c", {}, None, True)
+    assert absolute.missing_text("/d/photos/a.png", "cache/vae") == f"expected {sha}.pt in cache/vae"
 
 
 def test_cache_subfolders_mirror_image_subfolders(tmp_path: Path) -> None:
