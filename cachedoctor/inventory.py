@@ -30,7 +30,7 @@ IMAGE_EXTENSIONS = frozenset(
     {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jxl", ".avif"}
 )
 CACHE_EXTENSIONS = frozenset(
-    {".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".safetensors", ".npz", ".npy"}
+    {".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".safetensors", ".npz", ".npy", ".arrow"}
 )
 # atomicwrites' NamedTemporaryFile (tmp + 8 of [a-z0-9_]); SimpleTuner's Nov-Dec 2024
 # `.<name>.tmp`; `*.pt.tmp`; and lock files left by writers that died holding them.
@@ -39,7 +39,8 @@ TEMP_PATTERN = re.compile(
 )
 METADATA_PATTERN = re.compile(
     r"^(aspect_ratio_bucket_(indices|metadata)_.+\.json|aggregate\.pt|\.aitk_size\.json"
-    r"|metadata_cache\.json|all_(image|vae_cache|text_cache)_files_.+\.json)$"
+    r"|metadata_cache\.json|all_(image|vae_cache|text_cache)_files_.+\.json"
+    r"|dataset_info\.json|state\.json|dataset_dict\.json)$"
 )
 # SimpleTuner md5(caption)-<family>.pt; kohya's text-encoder npz suffixes.
 TEXT_PATTERN = re.compile(

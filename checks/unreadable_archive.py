@@ -3,6 +3,7 @@ Reports a cache file that cannot be parsed as its format: a torch zip archive wi
 directory (truncated or half-written), an entry that runs past the end of the file, a missing
 `data.pkl` or storage record, a legacy torch stream that ends early, a safetensors header whose
 length or offsets are wrong, an npz member cut short, a gzip stream that ends before its end
+marker, an Arrow stream (a 🤗 datasets cache) cut inside a message or without its end-of-stream
 marker, or a file of zeros where a cache file should be.
 
 ## Why is this bad?
@@ -11,8 +12,10 @@ error that rarely names the cause: `PytorchStreamReader failed reading zip archi
 finding central directory`, `OSError: [Errno 22] Invalid argument` (torch's reading of small
 truncated files), `ValueError: negative seek value`, `unexpected EOF, expected N more bytes`,
 `SafetensorError: Error while deserializing header: MetadataIncompleteBuffer`, or
-`BadZipFile: File is not a zip file`. Files half-written by concurrent writers (SimpleTuner
-#1147) look exactly like this.
+`BadZipFile: File is not a zip file`, `ArrowInvalid: Expected to read N metadata bytes`. Files
+half-written by concurrent writers (SimpleTuner #1147) look exactly like this. An Arrow stream
+cut between two messages is worse: pyarrow loads the rows it holds without an error, and the
+dataset trains on fewer samples than it was given.
 
 ## Example
 ```

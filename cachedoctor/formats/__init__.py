@@ -14,6 +14,7 @@ import errno
 import os
 
 from cachedoctor.formats import (
+    arrow_ipc,
     gzipped,
     numpy_npy,
     numpy_npz,
@@ -23,6 +24,7 @@ from cachedoctor.formats import (
     zip_templates,
 )
 from cachedoctor.formats.meta import (
+    ARROW,
     EMPTY,
     IMAGE,
     JSON,
@@ -49,6 +51,7 @@ READERS = {
     PICKLE: torch_legacy,
     SAFETENSORS: safetensors_header,
     NPY: numpy_npy,
+    ARROW: arrow_ipc,
 }
 ZIP_READERS = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
 
@@ -57,7 +60,7 @@ ZIP_READERS = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
 EXTENSION_FORMATS = {
     ".pt": TORCH_ZIP, ".pth": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
     ".pkl": PICKLE, ".pickle": PICKLE,
-    ".safetensors": SAFETENSORS, ".npz": NPZ, ".npy": NPY,
+    ".safetensors": SAFETENSORS, ".npz": NPZ, ".npy": NPY, ".arrow": ARROW,
 }
 IMAGE_MAGIC = (
     b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*",
@@ -83,6 +86,8 @@ def sniff(head: bytes, size: int) -> str:
         return PICKLE
     if head.startswith(b"\x93NUMPY"):
         return NPY
+    if arrow_ipc.sniff(head):
+        return ARROW
     if len(head) >= 9 and head[8:9] == b"{":
         return SAFETENSORS
     if head.startswith(IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):

@@ -25,6 +25,7 @@ IMAGE = "image"
 TEXT = "text"
 JSON = "json"
 UNKNOWN = "unknown"
+ARROW = "arrow"  # an Arrow IPC stream or file (🤗 datasets caches): a table, no tensors
 
 TENSOR_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, SAFETENSORS, NPZ, NPY})
 PICKLE_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, PICKLE})
