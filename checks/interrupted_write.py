@@ -1,7 +1,10 @@
 """## What it does
 Reports what an interrupted write leaves in a cache dir: temp files of atomic writes that never
 reached their rename (atomicwrites' `tmpXXXXXXXX`, SimpleTuner's late-2024 `.<name>.tmp`,
-`*.pt.tmp`, `*.partial`) and lock files older than `stale-lock-seconds` (default one hour).
+`*.pt.tmp`, `*.partial`) and lock files older than `stale-lock-seconds` (default one hour)
+that hold something (a pid-file lock's pid). An empty lock file is what `filelock` (🤗 datasets
+and hub, and the trainers that use them) leaves after every release: its `flock` dies with its
+holder, so it blocks nobody and is not reported.
 
 ## Why is this bad?
 Each one is a write that died: the final file it was meant to replace is missing or older than
@@ -42,8 +45,8 @@ def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     old = max(0.0, time.time() - meta.mtime)
     if name.endswith(".lock"):
         limit = float(RULE.setting(ctx, "stale-lock-seconds"))
-        if old < limit:
-            return None  # a live writer holds it
+        if old < limit or meta.size == 0:
+            return None  # a live writer holds it, or filelock's empty file (flock: never stale)
         return RULE.finding(entry.path, f"stale lock file, {age(old)} old: its writer is gone",
                             ctx, kind="lock", age_seconds=round(old))
     if ATOMICWRITES_TEMP.match(name):

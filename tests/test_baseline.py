@@ -25,7 +25,7 @@ def project(tmp_path: Path, monkeypatch) -> Path:
     (cache / "empty.pt").write_bytes(b"")
     (cache / "tmpabcd1234").write_bytes(b"x")
     lock = cache / "latent.pt.lock"
-    lock.write_bytes(b"")
+    lock.write_bytes(b"4242\n")  # a pid-file lock whose holder is gone
     os.utime(lock, (time.time() - 7200, time.time() - 7200))
     monkeypatch.chdir(root)
     return root

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,18 @@ def test_cd101_says_what_is_broken(cache: Path) -> None:
 
 def test_recent_lock_is_a_live_writer_not_a_finding(cache: Path) -> None:
     BUILDERS["CD104"](cache, how="lock", age=5)
+    assert scan_paths(cache).findings == ()
+
+
+def test_an_empty_old_lock_file_is_filelocks_and_no_finding(cache: Path) -> None:
+    """filelock (🤗 datasets, hub) releases with flock and leaves the empty file behind: held or
+    not, it blocks nobody once its holder is gone. A real filelock, acquired and released."""
+    filelock = pytest.importorskip("filelock")
+    lock = cache / "cache-5b8e2f.arrow.lock"
+    with filelock.FileLock(str(lock)):
+        pass
+    assert lock.exists() and lock.stat().st_size == 0
+    os.utime(lock, (time.time() - 86400, time.time() - 86400))
     assert scan_paths(cache).findings == ()
 
 
