@@ -184,6 +184,10 @@ def _toml(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
         line = re.search(r"line (\d+)", message)
         where = f":{line.group(1)}" if line else ""
         raise TargetError(f"{path}{where}: not valid TOML: {message}") from None
+    except RecursionError:
+        raise TargetError(f"{path}: not valid TOML: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than int() takes
+        raise TargetError(f"{path}: not valid TOML: {str(exc).split(';')[0]}") from None
     return data, _toml_lines(text)
 
 
@@ -262,24 +266,68 @@ def _yaml(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
         raise TargetError(f"{path}: not valid YAML: nested too deeply") from None
     lines: dict[Path_, int] = {}
     if node is not None:
+        problem = _yaml_expansion(node)
+        if problem:
+            raise TargetError(f"{path}: not a trainer config: {problem}")
         _yaml_lines(node, (), lines)
     return data, lines
 
 
-def _yaml_lines(node: Any, path: Path_, lines: dict[Path_, int]) -> None:
+MAX_YAML_VALUES = 100_000  # a trainer config has hundreds; aliases must not multiply them
+
+
+def _yaml_expansion(root: Any) -> str | None:
+    """Why the document's aliases make it unfit to walk: an alias inside the node it names (a
+    cycle), or aliases that expand it past MAX_YAML_VALUES values ("billion laughs"). Each
+    node is counted once however often it is named (memo by identity), without recursion."""
     import yaml
 
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            if isinstance(key, yaml.ScalarNode):
-                child = (*path, key.value)
-                lines.setdefault(child, key.start_mark.line + 1)
-                _yaml_lines(value, child, lines)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            child = (*path, index)
-            lines.setdefault(child, item.start_mark.line + 1)
-            _yaml_lines(item, child, lines)
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if not isinstance(node, yaml.CollectionNode):
+            sizes[key] = 1
+            continue
+        children = [n for pair in node.value for n in (pair if isinstance(pair, tuple) else (pair,))]
+        if done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[key] > MAX_YAML_VALUES:
+                return f"its aliases expand it to more than {MAX_YAML_VALUES:,} values"
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            return f"an alias at line {node.start_mark.line + 1} refers to a node that holds it"
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return None
+
+
+def _yaml_lines(node: Any, path: Path_, lines: dict[Path_, int]) -> None:
+    """The line of every key and item path (the first time an aliased node is reached)."""
+    import yaml
+
+    stack = [(node, path)]
+    while stack:
+        node, path = stack.pop()
+        children = []
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    child = (*path, key.value)
+                    lines.setdefault(child, key.start_mark.line + 1)
+                    children.append((value, child))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                child = (*path, index)
+                lines.setdefault(child, item.start_mark.line + 1)
+                children.append((item, child))
+        stack.extend(reversed(children))
 
 
 # -- shell-style env files ---------------------------------------------------------------------

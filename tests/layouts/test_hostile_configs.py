@@ -55,3 +55,34 @@ def test_random_values_never_raise(trainer: str, tmp_path: Path, monkeypatch) ->
             assert "\n" not in str(exc)
         for original, text in originals.items():
             original.write_text(text)
+
+
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize(("name", "text", "why"), [
+    ("laughs.yaml", "config:\n  process: []\n" + LAUGHS, "expand it to more than 100,000 values"),
+    ("self.yaml", "config: &x {process: [*x]}\n", "refers to a node that holds it"),
+    ("deep.toml", "a = " + "[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+    ("big.toml", "a = " + "9" * 5000 + "\n", "Exceeds the limit (4300 digits)"),
+])
+def test_hostile_documents_are_one_line_errors(name: str, text: str, why: str, tmp_path: Path) -> None:
+    """A 'billion laughs' of aliases (9^9 values from 80 lines), an alias inside its own node,
+    and TOML that Python's parser cannot take: a TargetError naming the file, at once."""
+    path = tmp_path / "config" / name
+    path.parent.mkdir()
+    path.write_text(text)
+    with pytest.raises(TargetError) as caught:
+        scan_paths(path)
+    assert str(caught.value).startswith(str(path)) and why in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_aliases_that_share_settings_still_load(tmp_path: Path) -> None:
+    """Anchors are how users share dataset settings: a few aliases are fine."""
+    project = aitoolkit.build(tmp_path / "p")
+    text = yaml.safe_dump(yaml.safe_load(project.config.read_text()))
+    text = text.replace("datasets:\n", "datasets: &sets\n", 1) + "extra: *sets\n"
+    project.config.write_text(text)
+    assert scan_paths(project.config).trainers == ("ai-toolkit",)
