@@ -176,12 +176,18 @@ def _files_of(finding: Finding) -> list[str]:
 
 
 def _why_not(path: str, roots: tuple[str, ...]) -> str | None:
-    if root_of(path, roots) is None:
+    root = root_of(path, roots)
+    if root is None:
         return "outside the caches given"
     if os.path.islink(path):
         return "a symlink: repair or remove its target (or the link) yourself"
     if not os.path.isfile(path):
         return "not a regular file"
+    # the scan follows symlinked folders; a repair stays inside the cache's real folder
+    folder = os.path.realpath(os.path.dirname(path))
+    if root_of(os.path.join(folder, ""), (os.path.realpath(root),)) is None:
+        return (f"reached through a symlinked folder: it lives in {folder}, outside the cache; "
+                "run fix there")
     return None
 
 

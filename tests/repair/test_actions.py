@@ -272,3 +272,19 @@ def test_nothing_to_fix_is_an_empty_plan_and_changes_nothing(cache: Path) -> Non
     plan, result = fix_in_process(cache)
     assert not plan.actions and not result.outcomes
     assert tree_digest(cache) == before
+
+
+def test_a_file_reached_through_a_symlinked_folder_is_left_where_it_lives(cache: Path) -> None:
+    """The scan follows a symlinked folder; the repair never moves a file out of its real place
+    (a broken file behind `cache/linked -> ../outside` stayed a finding, but was quarantined)."""
+    outside = cache.parent / "outside"
+    outside.mkdir()
+    (outside / "precious.pt").write_bytes(os.urandom(100))
+    (cache / "linked").symlink_to(outside)
+    (cache / "broken.pt").write_bytes(os.urandom(100))
+    before = tree_digest(outside)
+    plan, result = fix_in_process(cache)
+    assert [a.path for a in plan.actions] == [str(cache / "broken.pt")]
+    (note,) = [n for n in plan.notes if n.path == str(cache / "linked" / "precious.pt")]
+    assert "symlinked folder" in note.message and str(outside) in note.message
+    assert tree_digest(outside) == before and not result.failed
