@@ -85,9 +85,16 @@ def jsonable(value: Any) -> Any:
     return printable(str(value))
 
 
+# C0, DEL and C1 controls: a file name may hold a newline, or an escape sequence that retitles or
+# clears the terminal a report is printed on
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
 def printable(text: str) -> str:
-    """File names need not be UTF-8: show undecodable bytes as \\xNN instead of failing."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """File names need not be UTF-8, nor free of control characters: undecodable bytes and
+    control characters show as \\xNN, so a name is one line of inert text."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") \
+        .translate(_CONTROLS)
 
 
 def display_path(path: str, cwd: str | None = None) -> str:

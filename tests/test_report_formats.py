@@ -103,7 +103,7 @@ def test_github_annotations(broken: Path) -> None:
 def test_github_escapes_what_would_end_a_command() -> None:
     finding = Finding("CD101", "unreadable-archive", Severity.INFO, "/c/x:y,z.pt", "100% bad\nreally")
     out = _render(github, Report.build((), [finding], 1, 0), cwd="/c")
-    assert out == "::notice file=x%3Ay%2Cz.pt,title=CD101::unreadable-archive: 100%25 bad%0Areally\n"
+    assert out == "::notice file=x%3Ay%2Cz.pt,title=CD101::unreadable-archive: 100%25 bad\\x0areally\n"
 
 
 def test_junit_one_case_per_file_and_a_failure_per_finding(broken: Path) -> None:
@@ -147,6 +147,20 @@ def test_junit_survives_control_characters_in_names(tmp_path: Path) -> None:
     root = ET.fromstring(_render(junit, Report.build((), [finding], 1, 0), cwd=str(tmp_path)))
     (case,) = root.iter("testcase")
     assert case.get("name") == "a\\x01b.pt"
+
+
+def test_text_shows_control_characters_in_names_as_escapes(tmp_path: Path) -> None:
+    """A file name is inert text: no escape sequence reaches the terminal, no newline splits a
+    finding in two."""
+    from cachedoctor.reporters import text
+
+    (tmp_path / "x\x1b]0;PWN\x07\x1b[2J\nb.pt").write_bytes(b"")
+    result = invoke("scan", str(tmp_path), "--isolated")
+    (line,) = [line for line in result.stdout.splitlines() if ": CD102 " in line]
+    assert "x\\x1b]0;PWN\\x07\\x1b[2J\\x0ab.pt" in line
+    assert not re.search(r"[\x00-\x1f\x7f-\x9f]", result.stdout.replace("\n", ""))
+    finding = Finding("CD102", "empty-file", Severity.ERROR, str(tmp_path / "a.pt"), "bad \x1b[31m")
+    assert "bad \\x1b[31m" in _render(text, Report.build((), [finding], 1, 0), cwd=str(tmp_path))
 
 
 def test_output_writes_the_report_and_the_terminal_gets_the_summary(broken: Path) -> None:
