@@ -151,6 +151,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
             yield Batch(os.path.dirname(root), (name,), dataset, None, area)
         return
     seen = {(st.st_dev, st.st_ino)}
+    real_root = os.path.realpath(root)
     stack = [root]
     while stack:
         directory = stack.pop()
@@ -193,6 +194,11 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                             errors.append((child.path, "symlink loop: points back to a "
                                                        "directory already scanned"))
                         continue
+                    if child.is_symlink() and _holds(child.path, real_root):
+                        # (a link to / or to a parent would walk the whole disk first)
+                        errors.append((child.path, "symlink loop: points to a directory "
+                                                   "that holds the scanned one"))
+                        continue
                     seen.add(key)
                     stack.append(child.path)
                 elif child.is_symlink():  # neither file nor dir: dangling, or a loop
@@ -200,6 +206,11 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                 # sockets, FIFOs and devices are no cache files and must never be opened
         if names or (errors and (shard is None or shard[0] == 0)):
             yield _batch(directory, names, dataset, bucket, area, errors, shard)
+
+
+def _holds(link: str, real_root: str) -> bool:
+    """Whether the directory `link` points to is `real_root` or one of its ancestors."""
+    return os.path.join(real_root, "").startswith(os.path.join(os.path.realpath(link), ""))
 
 
 def _children(listing: Iterator[os.DirEntry], directory: str,

@@ -59,6 +59,21 @@ def test_symlink_loop_to_ancestor_is_reported_once(tmp_path: Path) -> None:
     assert [Path(e.path).name for e in entries if not e.error] == ["f.pt"]
 
 
+def test_a_link_to_the_root_of_the_disk_is_a_loop_not_a_walk(tmp_path: Path) -> None:
+    """`cache/sub/slash -> /` or `cache/up -> ..` hold the scanned folder: followed, they would
+    walk the whole disk (or the cache's neighbours) before meeting the cache again."""
+    cache = tmp_path / "cache"
+    (cache / "sub").mkdir(parents=True)
+    (cache / "f.pt").write_bytes(b"x")
+    (tmp_path / "neighbour.pt").write_bytes(b"x")
+    os.symlink("/", cache / "sub" / "slash")
+    os.symlink("..", cache / "up")
+    entries = list(walk(str(cache)))
+    assert sorted(Path(e.path).name for e in entries if e.error) == ["slash", "up"]
+    assert all("holds the scanned one" in e.error for e in entries if e.error)
+    assert [Path(e.path).name for e in entries if not e.error] == ["f.pt"]
+
+
 def test_self_referencing_and_broken_symlinks(tmp_path: Path) -> None:
     os.symlink("self.pt", tmp_path / "self.pt")
     os.symlink("missing.pt", tmp_path / "dangling.pt")
@@ -159,3 +174,18 @@ def test_shards_split_by_path_whatever_the_listing_order(tmp_path: Path) -> None
     assert split == shares(tmp_path / "b")
     assert set().union(*split) == set(rel) and sum(map(len, split)) == len(rel)
     assert all(len(share) > 15 for share in split)  # 100 files over 3 ranks, by a hash
+
+
+def test_a_target_behind_a_folder_we_may_not_enter_says_so(fs) -> None:
+    """Not 'no such file': the file is there, the folder holding it is locked."""
+    from pyfakefs.helpers import set_uid
+
+    from cachedoctor.layouts import TargetError, resolve
+
+    fs.create_file("/cache/locked/a.pt", contents=b"x")
+    os.chmod("/cache/locked", 0o000)
+    set_uid(1000)
+    with pytest.raises(TargetError, match=r"^/cache/locked/a.pt: permission denied$"):
+        resolve(["/cache/locked/a.pt"])
+    with pytest.raises(TargetError, match=r"^/cache/nope: no such file or directory$"):
+        resolve(["/cache/nope"])

@@ -37,8 +37,11 @@ def resolve(targets: Iterable[str]) -> list[Layout]:
     layouts: list[Layout] = []
     with one_listing_each():
         for target in targets:
-            if not os.path.lexists(target):
-                raise TargetError(f"{target}: no such file or directory")
+            try:
+                os.lstat(target)
+            except OSError as exc:  # gone, or behind a folder we may not enter
+                why = exc.strerror.lower() if exc.strerror else "cannot read it"
+                raise TargetError(f"{target}: {why}") from None
             if os.path.isdir(target):
                 found = project(target)
                 layouts.extend(found or [bare.layout(target)])
