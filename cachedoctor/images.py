@@ -44,6 +44,67 @@ def size(path: str) -> tuple[int, int]:
         raise ImageError(f"{os.path.basename(path)}: Pillow cannot read it ({exc})") from None
 
 
+HEADER_BYTES = 65536  # a JPEG's frame header follows its EXIF block, thumbnail and all
+_JPEG_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOFn (not DHT, JPG, DAC)
+
+
+def header_size(path: str) -> tuple[int, int] | None:
+    """(width, height) as stored in the header of a PNG, JPEG, GIF, BMP or WebP (no EXIF
+    rotation: what `imagesize`, which kohya uses, reads); None when it cannot tell."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError:
+        return None
+    try:
+        if head.startswith(PNG_SIGNATURE) and head[12:16] == b"IHDR":
+            return struct.unpack(">II", head[16:24])
+        if head[:6] in (b"GIF87a", b"GIF89a"):
+            return struct.unpack("<HH", head[6:10])
+        if head[:2] == b"BM":
+            width, height = struct.unpack("<ii", head[18:26])
+            return width, abs(height)
+        if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+            return _webp_size(head)
+        if head[:3] == b"\xff\xd8\xff":
+            return _jpeg_size(head)
+    except struct.error:
+        return None
+    return None
+
+
+def _webp_size(head: bytes) -> tuple[int, int] | None:
+    chunk = head[12:16]
+    if chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", head[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and head[20:21] == b"\x2f":
+        bits = int.from_bytes(head[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X":
+        return int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1
+    return None
+
+
+def _jpeg_size(head: bytes) -> tuple[int, int] | None:
+    at = 2
+    while at + 9 <= len(head):
+        if head[at] != 0xFF:
+            return None
+        marker = head[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in _JPEG_FRAMES:
+            height, width = struct.unpack(">HH", head[at + 5 : at + 9])
+            return width, height
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
+            at += 2
+            continue
+        at += 2 + struct.unpack(">H", head[at + 2 : at + 4])[0]
+    return None
+
+
 def load(path: str) -> torch.Tensor:
     """The image at `path` as uint8 RGB [3, H, W]."""
     import numpy as np

@@ -415,7 +415,7 @@ class KohyaNaming(Naming):
 class _Directory(DirectoryNaming):
     def __init__(self, naming: KohyaNaming, path: str) -> None:
         super().__init__()
-        self.naming = naming
+        self.naming, self.path = naming, path
         rel = os.path.relpath(path, naming.root)
         self.prefix = "" if rel == "." else rel + "/"
 
@@ -428,10 +428,18 @@ class _Directory(DirectoryNaming):
         if not name.endswith(".npz"):
             return CacheFacts()
         match = LATENT_NAME.match(name)
-        if match is None:
-            return CacheFacts(key=self.prefix + name[:-4], naming="legacy")
-        stem, arch = match["stem"], match["arch"]
         buckets = self.naming.buckets
+        if match is None:
+            stem = name[:-4]
+            # a legacy <stem>.npz names no size: kohya reads it from the image's header
+            # (imagesize.get), as here, when the bucket settings are known
+            size = self._image_size(stem) if buckets is not None else None
+            if size is None:
+                return CacheFacts(key=self.prefix + stem, naming="legacy")
+            bw, bh = buckets.select(*size)
+            return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
+                              expected=(bh // 8, bw // 8), naming="legacy")
+        stem, arch = match["stem"], match["arch"]
         width, height = int(match["w"]), int(match["h"])
         if buckets is None or width == 0 or height == 0:
             return CacheFacts(key=self.prefix + stem, family=arch)
@@ -439,6 +447,15 @@ class _Directory(DirectoryNaming):
         stride = STRIDE.get(arch, 8)
         return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
                           expected=(bh // stride, bw // stride), family=arch)
+
+    def _image_size(self, stem: str) -> tuple[int, int] | None:
+        from cachedoctor.images import header_size
+
+        for extension in IMAGE_EXTENSIONS:
+            size = header_size(os.path.join(self.path, stem + extension))
+            if size is not None:
+                return size if size[0] > 0 and size[1] > 0 else None
+        return None
 
 
 # -- entries (fix --reencode) ------------------------------------------------------------------

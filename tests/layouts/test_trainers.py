@@ -140,6 +140,19 @@ def test_kohya_caches_beside_images_are_by_design(tmp_path: Path) -> None:
     assert codes(scan_paths(other.parent)) == {"CD107"}
 
 
+@pytest.mark.parametrize("defects", [(), ("CD301",), ("CD302",)])
+def test_kohya_legacy_npz_names_get_their_bucket_from_the_image(defects: tuple, tmp_path: Path) -> None:
+    """A legacy `<stem>.npz` (still used when present, strategy_sd.py) names no size: the
+    bucket comes from the image's header, as kohya's imagesize.get reads it."""
+    project = kohya.build(tmp_path / "k", defects=defects)
+    for npz in (project.root / "train" / "10_person").glob("*_sdxl.npz"):
+        npz.rename(npz.with_name(npz.name.split("_")[0] + "_" + npz.name.split("_")[1] + ".npz"))
+    expected = sorted((code, str(Path(p).with_name("_".join(Path(p).name.split("_")[:2]) + ".npz")))
+                      for code, paths in project.expected.items() for p, _ in paths)
+    found = sorted((f.code, f.path) for f in scan_paths(project.config).findings)
+    assert found == expected
+
+
 def test_kohya_subfolders_of_an_image_dir_are_not_read(tmp_path: Path) -> None:
     project = kohya.build(tmp_path / "k")
     folder = project.root / "train" / "10_person"
