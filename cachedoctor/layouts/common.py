@@ -92,7 +92,10 @@ def unique(ids: Iterable[str]) -> list[str]:
 
 # Listings made while targets resolve: every trainer looks into a project folder, and a bare
 # cache dir is searched for kohya, ai-toolkit and OneTrainer layouts; listed once each, a flat
-# cache of a million files costs one listing, not six.
+# cache of a million files costs one listing, not six. A listing keeps the names layouts look
+# for (folders, configs, npz, images), not a flat cache's million `<sha256>.pt` entries.
+KEPT_SUFFIXES = frozenset({".json", ".toml", ".yaml", ".yml", ".env", ".npz", ".png", ".jpg",
+                           ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jxl", ".avif"})
 _listings: dict[str, tuple[tuple[str, ...], frozenset[str]]] | None = None
 
 
@@ -109,7 +112,8 @@ def one_listing_each() -> Iterator[None]:
 
 
 def names(path: str) -> tuple[str, ...]:
-    """The names in `path`, in no order; none when it is not a readable directory."""
+    """The names in `path` of its folders and of files with a KEPT_SUFFIXES suffix (any case),
+    in no order; none when it is not a readable directory."""
     return _listing(path)[0]
 
 
@@ -140,12 +144,17 @@ def _list(path: str) -> tuple[tuple[str, ...], frozenset[str]]:
     try:
         with os.scandir(path) as listing:
             for entry in listing:
-                names.append(entry.name)
+                name = entry.name
                 try:
                     if entry.is_dir():
-                        dirs.append(entry.name)
+                        dirs.append(name)
+                        names.append(name)
+                        continue
                 except OSError:  # a symlink loop: no directory
                     pass
+                dot = name.rfind(".")
+                if dot >= 0 and name[dot:].lower() in KEPT_SUFFIXES:
+                    names.append(name)
     except OSError:
         pass
     return tuple(names), frozenset(dirs)
