@@ -7,22 +7,25 @@ StorageRef. Every other global is recorded as unsafe and becomes an inert Stub c
 any call, BUILD, APPEND or SETITEM and does nothing else; nothing is ever imported or resolved.
 
 Before the C unpickler sees a stream, pickle_guard checks it for what the C unpickler would
-survive badly (huge memo indices, deeply nested tuples, lying lengths).
+survive badly (huge memo indices, deeply nested tuples, lying lengths, more objects than any
+cache holds). A stream that cannot be read is scanned for the globals it names, once.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import functools
 import io
 import pickle
 import pickletools
+import re
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from cachedoctor.formats.pickle_guard import StreamError, check_stream
+from cachedoctor.formats.pickle_guard import OPS, StreamError, check_stream, token_patterns
 
 MAX_PICKLE_BYTES = 64 * 1024 * 1024
 MAX_GLOBALS = 10_000  # distinct globals one pickle may name (each costs a stub class)
@@ -39,11 +42,31 @@ class UnpickleError(Exception):
     """
 
     def __init__(self, message: str, globals: list[str] | None = None,
-                 unsafe_globals: list[str] | None = None, *, truncated: bool = False) -> None:
+                 unsafe_globals: list[str] | None = None, *, truncated: bool = False,
+                 scan: tuple[bytes, int] | None = None) -> None:
         super().__init__(message)
-        self.globals = globals or []
-        self.unsafe_globals = unsafe_globals or []
+        self._globals = globals or []
+        self._unsafe = unsafe_globals or []
+        self._scan = scan  # (data, offset): scanned for globals when they are first asked for
         self.truncated = truncated
+
+    @property
+    def globals(self) -> list[str]:
+        self._scan_once()
+        return self._globals
+
+    @property
+    def unsafe_globals(self) -> list[str]:
+        self._scan_once()
+        return self._unsafe
+
+    def _scan_once(self) -> None:
+        # A reader that retries with more data never asks: the stream is scanned once, at most.
+        if self._scan is not None:
+            names, unsafe = scan_globals(*self._scan)
+            self._scan = None
+            self._globals = list(dict.fromkeys([*self._globals, *names]))
+            self._unsafe = list(dict.fromkeys([*self._unsafe, *unsafe]))
 
 
 class _Inert:
@@ -586,17 +609,15 @@ def load_restricted(data: bytes | bytearray | memoryview | BinaryIO, offset: int
         if exc.truncated and len(data) - offset > MAX_PICKLE_BYTES:
             raise UnpickleError(f"the pickle runs past the {MAX_PICKLE_BYTES // 2**20} MiB "
                                 "cachedoctor unpickles") from None
-        names, unsafe = scan_globals(data, offset)
-        raise UnpickleError(str(exc), names, unsafe, truncated=exc.truncated) from None
+        raise UnpickleError(str(exc), truncated=exc.truncated, scan=(data, offset)) from None
     unpickler = _RestrictedUnpickler(data[offset:end] if offset or end < len(data) else data,
                                      legacy)
     try:
         obj = unpickler.load()
     except Exception as exc:  # whatever a malformed stream makes the C unpickler or us raise
         # the globals after the point of failure count too: a payload may sit there
-        names, unsafe = scan_globals(data, offset)
-        raise UnpickleError(_describe(exc), list(dict.fromkeys([*unpickler.names, *names])),
-                            list(dict.fromkeys([*unpickler.unsafe, *unsafe]))) from None
+        raise UnpickleError(_describe(exc), list(unpickler.names), list(unpickler.unsafe),
+                            scan=(data, offset)) from None
     if stream is not None:
         stream.seek(start + end)
     return Unpickled(obj, list(unpickler.names), list(unpickler.unsafe), unpickler.storages, end)
@@ -604,6 +625,32 @@ def load_restricted(data: bytes | bytearray | memoryview | BinaryIO, offset: int
 
 _STRING_OPS = frozenset({"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
                          "SHORT_BINUNICODE", "BINUNICODE8"})
+_MEMO_OPS = frozenset({"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})
+_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_GLOBAL_OPS = frozenset({"GLOBAL", "INST", "STACK_GLOBAL"})
+# Runs of the opcodes scan_globals only steps over, matched in C: all but the above, STOP and
+# those with a decimal or text argument (which pickletools may refuse, ending the scan).
+_QUIET = frozenset(code for code, op in OPS.items()
+                   if op.name in _STRING_OPS | _MEMO_OPS | _GET_OPS | _GLOBAL_OPS | {"STOP"}
+                   or (op.arg is not None and op.arg.n == pickletools.UP_TO_NEWLINE))
+
+
+_BINGETS = frozenset({ord("h"), ord("j")})  # BINGET, LONG_BINGET
+
+
+@functools.cache
+def _quiet_run(gets: bool = False) -> re.Pattern[bytes]:
+    """Compiled on first use: most files never need it. With `gets`, BINGET and LONG_BINGET
+    are stepped over too: while the memo holds no string, they push nothing that matters."""
+    plain, args = token_patterns(_QUIET - _BINGETS if gets else _QUIET)
+    return re.compile(b"(?:" + b"|".join([plain + b"++", *args]) + b")*+", re.DOTALL)
+
+
+_GLOBAL_BYTES = (b"c", b"i", b"\x93")  # GLOBAL, INST, STACK_GLOBAL
+# BINGET, BINPUT, LONG_BINGET, LONG_BINPUT, MEMOIZE -> bytes of their index
+_MEMO_WIDTHS = {ord("h"): 1, ord("q"): 1, ord("j"): 4, ord("r"): 4, 0x94: 0}
+MAX_SCAN_STEPS = 2_000_000  # opcodes scan_globals reads one by one (about 1 µs each)
+MAX_SCAN_MEMO = 1_000_000  # strings it remembers by memo slot
 
 
 def scan_globals(data: bytes, offset: int = 0) -> tuple[list[str], list[str]]:
@@ -612,27 +659,59 @@ def scan_globals(data: bytes, offset: int = 0) -> tuple[list[str], list[str]]:
     Used when the stream cannot be unpickled: a cut-off or damaged pickle must still show the
     payload it carries. Nothing is built or run; STACK_GLOBAL's operands are the last two
     strings pushed (directly or from the memo), which is how picklers write them.
+
+    The opcodes are those pickletools.genops reads, up to STOP or the first it cannot read, but
+    only those that push a string, touch the memo or name a global are read one by one: runs
+    of the others are stepped over by a regex. A stream with no byte that could name a global
+    is not read at all. A hostile stream is read for MAX_SCAN_STEPS such opcodes at most.
     """
+    stop = min(len(data), offset + MAX_PICKLE_BYTES)
+    if all(data.find(code, offset, stop) < 0 for code in _GLOBAL_BYTES):
+        return [], []
+    view = data if offset == 0 and stop == len(data) else data[offset:stop]
     names: dict[str, None] = {}
     unsafe: dict[str, None] = {}
     strings: list[str] = []  # the last two strings pushed
     fresh = False  # whether the opcode before this one pushed a string
     memo: dict[int, str] = {}
     memo_next = 0
-    stream = io.BytesIO(data[offset : offset + MAX_PICKLE_BYTES])
+    stream = io.BytesIO(view)
+    quiet, quiet_gets = _quiet_run().match, _quiet_run(gets=True).match
+    pos, size = 0, len(view)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # genops warns about bad escapes in STRING opcodes
-            for op, arg, _pos in pickletools.genops(stream):
+            for _ in range(MAX_SCAN_STEPS):
+                after = (quiet if memo else quiet_gets)(view, pos).end()
+                if after != pos:
+                    fresh, pos = False, after
+                if pos >= size:
+                    break
+                code = view[pos]
+                op = OPS.get(code)
+                if op is None:
+                    break
+                width = _MEMO_WIDTHS.get(code)
+                if width is not None:  # the commonest, read here: a memo index, or none
+                    if pos + width >= size:
+                        break  # genops would find the stream cut off
+                    arg = int.from_bytes(view[pos + 1:pos + 1 + width], "little")
+                    pos += 1 + width
+                elif op.arg is None:
+                    arg, pos = None, pos + 1
+                else:
+                    stream.seek(pos + 1)
+                    arg = op.arg.reader(stream)
+                    pos = stream.tell()
                 kind, pushed = op.name, None
                 if kind in _STRING_OPS:
                     pushed = arg if isinstance(arg, str) else str(arg)
-                elif kind in ("GET", "BINGET", "LONG_BINGET"):
+                elif kind in _GET_OPS:
                     pushed = memo.get(int(arg))
-                elif kind in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                elif kind in _MEMO_OPS:
                     index = memo_next if kind == "MEMOIZE" else int(arg)
                     memo_next = max(memo_next, index + 1)
-                    if fresh:
+                    if fresh and (len(memo) < MAX_SCAN_MEMO or index in memo):
                         memo[index] = strings[-1]
                     continue  # memoizing leaves the stack as it was
                 elif kind in ("GLOBAL", "INST") or (kind == "STACK_GLOBAL" and len(strings) == 2):
@@ -641,6 +720,8 @@ def scan_globals(data: bytes, offset: int = 0) -> tuple[list[str], list[str]]:
                     names[full] = None
                     if not allowed:
                         unsafe[full] = None
+                elif kind == "STOP":
+                    break
                 fresh = pushed is not None
                 if fresh:
                     strings = [*strings[-1:], pushed]
@@ -704,23 +785,37 @@ def walk_tensors(obj: object) -> Iterator[tuple[tuple[str | int, ...], TensorRef
             continue
         if kind in _SCALARS or id(value) in seen:
             continue
+        children: Iterable[tuple[object, object]]
         if isinstance(value, dict):
-            children = list(value.items())
+            count, children = len(value), value.items()
         elif kind is list or kind is tuple or isinstance(value, (list, tuple, set, frozenset)):
-            children = list(enumerate(value))
+            count, children = len(value), enumerate(value)
         elif isinstance(value, Stub):
             children = list(value.children())
+            count = len(children)
         else:
             continue
         seen.add(id(value))
         if depth >= MAX_WALK_DEPTH:
             raise UnpickleError(f"the object nests containers more than {MAX_WALK_DEPTH} deep")
-        items += len(children)
+        items += count
         if items > MAX_WALK_ITEMS:
             raise UnpickleError(f"the object holds more than {MAX_WALK_ITEMS:,} items")
-        for key, child in reversed(children):
+        # Only what may hold a tensor goes on the stack, and an object once per container: its
+        # first place is walked first, and every later one would be skipped as seen. (A million
+        # references to one list would otherwise take a million stack entries.)
+        found: list[tuple[object, object]] = []
+        taken: set[int] = set()
+        for key, child in children:
             if type(child) not in _SCALARS:
-                stack.append((child, (link, key), depth + 1))
+                if type(child) is not TensorRef:
+                    ident = id(child)
+                    if ident in seen or ident in taken:
+                        continue
+                    taken.add(ident)
+                found.append((key, child))
+        for key, child in reversed(found):
+            stack.append((child, (link, key), depth + 1))
 
 
 def _path(link: object) -> tuple[str | int, ...]:
