@@ -31,9 +31,26 @@ _BIT_PATTERNS = {
 FLOAT_DTYPES = frozenset(_IEEE) | frozenset(_BIT_PATTERNS)
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     code, parts = _IEEE.get(dtype) or (_BIT_PATTERNS[dtype][0], 1)
     return int(code[1:]) * parts
+
+
+def _bad(data: bytes | memoryview, dtype: str, big_endian: bool):
+    """A bool array, True for each NaN/Inf element of `data` (whole elements only)."""
+    import numpy as np
+
+    order = ">" if big_endian else "<"
+    count = len(data) // itemsize(dtype)
+    if dtype in _IEEE:
+        code, parts = _IEEE[dtype]
+        bad = ~np.isfinite(np.frombuffer(data, order + code, count=count * parts))
+        if parts == 2:  # a complex element is bad when either part is
+            bad = bad.reshape(-1, 2).any(axis=1)
+        return bad
+    code, mask, value = _BIT_PATTERNS[dtype]
+    bits = np.frombuffer(data, order + code, count=count)
+    return (bits & mask) == value
 
 
 def count_nonfinite(data: bytes | memoryview, dtype: str, big_endian: bool = False) -> int:
@@ -42,17 +59,43 @@ def count_nonfinite(data: bytes | memoryview, dtype: str, big_endian: bool = Fal
         return 0
     import numpy as np
 
-    order = ">" if big_endian else "<"
-    count = len(data) // _itemsize(dtype)
-    if dtype in _IEEE:
-        code, parts = _IEEE[dtype]
-        bad = ~np.isfinite(np.frombuffer(data, order + code, count=count * parts))
-        if parts == 2:  # a complex element is bad when either part is
-            bad = bad.reshape(-1, 2).any(axis=1)
-        return int(np.count_nonzero(bad))
-    code, mask, value = _BIT_PATTERNS[dtype]
-    bits = np.frombuffer(data, order + code, count=count)
-    return int(np.count_nonzero((bits & mask) == value))
+    return int(np.count_nonzero(_bad(data, dtype, big_endian)))
+
+
+def nonfinite_offsets(data: bytes | memoryview, dtype: str, big_endian: bool = False):
+    """Byte offsets in `data` of its NaN/Inf elements (whole elements only), ascending, as a
+    numpy int64 array; None when there are none (the usual case: nothing is allocated)."""
+    if dtype not in FLOAT_DTYPES:
+        return None
+    import numpy as np
+
+    bad = _bad(data, dtype, big_endian)
+    if not bad.any():
+        return None
+    return np.flatnonzero(bad).astype(np.int64) * itemsize(dtype)
+
+
+class Counter:
+    """count_nonfinite over bytes that come in pieces cut anywhere (a deflated member read in
+    chunks): an element cut between two pieces is counted once, whole."""
+
+    __slots__ = ("_big", "_dtype", "_rest", "_size", "total")
+
+    def __init__(self, dtype: str, big_endian: bool = False) -> None:
+        self._dtype, self._big = dtype, big_endian
+        self._size = itemsize(dtype) if dtype in FLOAT_DTYPES else 1
+        self._rest = b""  # the start of an element the last piece cut
+        self.total = 0
+
+    def feed(self, data: bytes | memoryview) -> None:
+        if self._dtype not in FLOAT_DTYPES or not data:
+            return
+        if self._rest:
+            data = self._rest + bytes(data)
+        whole = len(data) - len(data) % self._size
+        view = memoryview(data)
+        self.total += count_nonfinite(view[:whole], self._dtype, self._big)
+        self._rest = bytes(view[whole:])
 
 
 def count_nonfinite_at(
@@ -61,7 +104,7 @@ def count_nonfinite_at(
     """count_nonfinite over `nbytes` of `src` at `offset`, read in bounded chunks."""
     if dtype not in FLOAT_DTYPES:
         return 0
-    step = CHUNK - CHUNK % _itemsize(dtype)
+    step = CHUNK - CHUNK % itemsize(dtype)
     total, pos, end = 0, offset, offset + nbytes
     while pos < end:
         chunk = src.pread(pos, min(step, end - pos))

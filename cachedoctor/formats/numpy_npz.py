@@ -2,9 +2,10 @@
 
 np.savez stores members, np.savez_compressed deflates them; either way only each member's
 header bytes are read (and inflated) by default, and the member's size from the central
-directory must equal header + numel × itemsize. With `deep`, each member is read whole: its
-CRC32 is compared with the directory (np.load would fail with "Bad CRC-32") and its floats
-are counted for NaN/Inf.
+directory must equal header + numel × itemsize. With `deep`, each member is streamed once,
+in chunks of bounded size (never whole in memory): its CRC32 is compared with the directory
+(np.load would fail with "Bad CRC-32") and its floats are counted for NaN/Inf in the same
+pass. A member that inflates past its recorded size (a zip bomb) is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -13,15 +14,24 @@ import zlib
 
 from cachedoctor.formats import numpy_npy as npy
 from cachedoctor.formats.meta import NPZ, FileMeta, TensorMeta
-from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_nonfinite
+from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter
 from cachedoctor.formats.source import Source
-from cachedoctor.formats.zipdir import DamagedEntry, ZipDirectory, ZipEntry, ZipError, crc_mismatch, read_entry
+from cachedoctor.formats.zipdir import (
+    DamagedEntry,
+    OversizedEntry,
+    ZipDirectory,
+    ZipEntry,
+    ZipError,
+    crc_mismatch,
+    entry_chunks,
+    read_entry,
+)
 
 
 class _Member:
     """What one member contributes to the file's FileMeta."""
 
-    __slots__ = ("crc_error", "error", "globals", "nonfinite", "notes", "tensor")
+    __slots__ = ("crc_error", "deep_error", "error", "globals", "nonfinite", "notes", "tensor")
 
     def __init__(self) -> None:
         self.tensor: TensorMeta | None = None
@@ -29,6 +39,7 @@ class _Member:
         self.notes: list[str] = []
         self.globals: tuple[str, ...] = ()
         self.crc_error: str | None = None
+        self.deep_error: str | None = None  # --deep: it inflates past its size, or too far
         self.nonfinite = 0  # NaN/Inf among the tensor's values (--deep)
 
 
@@ -46,6 +57,8 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
         globals_.update(dict.fromkeys(member.globals))
         if member.error:
             errors.append(member.error)
+        if member.deep_error:
+            errors.append(member.deep_error)
         if member.crc_error:
             crc_errors.append(member.crc_error)
         if member.tensor is not None:
@@ -78,13 +91,14 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
         member.error = f"member '{name}' is not an .npy array (np.savez writes only those)"
         return member
     key = name[:-4]
-    whole = _read_whole(src, entry, member) if deep else None
     try:
-        data = whole if whole is not None else _read_head(src, entry)
+        data = _read_head(src, entry)
         header = npy.parse_header(data)
-        if header.dtype.has_object and whole is None:
+        if header.dtype.has_object:
             data = read_entry(src, entry, header.data_offset + npy.PICKLE_READ)
     except (npy.NpyError, ZipError) as exc:  # DamagedEntry included
+        if deep:
+            _check_whole(src, entry, member, None)
         member.error = f"member '{name}': {exc}"
         return member
     size = entry.size - header.data_offset
@@ -92,9 +106,9 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
         member.globals, error = npy.pickle_globals(data, header.data_offset)
     else:
         error = npy.size_error(header, size)
-        if not error and whole is not None and header.dtype.name in FLOAT_DTYPES:
-            values = memoryview(whole)[header.data_offset : header.data_offset + header.nbytes]
-            member.nonfinite = count_nonfinite(values, header.dtype.name, header.dtype.big_endian)
+    if deep:
+        values = not error and not header.dtype.has_object and header.dtype.name in FLOAT_DTYPES
+        _check_whole(src, entry, member, header if values else None)
     if error:
         member.error = f"member '{name}': {error}"
     member.notes += npy.dtype_notes(header, f"'{key}'")
@@ -112,20 +126,36 @@ def _read_head(src: Source, entry: ZipEntry) -> bytes:
     return data
 
 
-def _read_whole(src: Source, entry: ZipEntry, member: _Member) -> bytes | None:
-    """--deep: the member's bytes, with a CRC or inflate failure recorded as a crc_error."""
+def _check_whole(src: Source, entry: ZipEntry, member: _Member, header: npy.NpyHeader | None
+                 ) -> None:
+    """--deep: the member's bytes, streamed once in chunks (never whole in memory): a CRC or
+    inflate failure recorded as a crc_error, and the NaN/Inf among the values `header`
+    describes (when given) counted into member.nonfinite."""
+    crc, done = 0, 0
+    counter = begin = end = None
+    if header is not None:
+        counter = Counter(header.dtype.name, header.dtype.big_endian)
+        begin, end = header.data_offset, header.data_offset + header.nbytes
     try:
-        data = read_entry(src, entry)
+        for chunk in entry_chunks(src, entry, entry.size):  # as np.load: no byte past it
+            crc = zlib.crc32(chunk, crc)
+            at, done = done, done + len(chunk)
+            if counter is not None and at < end and done > begin:
+                counter.feed(memoryview(chunk)[max(begin - at, 0) : end - at])
     except DamagedEntry as exc:
         member.crc_error = f"member '{entry.name}': {exc}"
-        return None
+        return
+    except OversizedEntry as exc:  # more than --deep inflates
+        member.deep_error = f"member '{entry.name}': {exc}"
+        return
     except ZipError:
-        return None  # an unsupported method or a huge entry: the header read reports it
-    if len(data) != entry.size:
+        return  # an unsupported method: the header read reports it
+    if done != entry.size:
         member.crc_error = (
-            f"member '{entry.name}' inflates to {len(data):,} bytes, "
+            f"member '{entry.name}' inflates to {done:,} bytes, "
             f"the directory says {entry.size:,}"
         )
-    elif (actual := zlib.crc32(data)) != entry.crc:
-        member.crc_error = crc_mismatch(entry.name, entry.crc, actual)
-    return data
+    elif crc != entry.crc:
+        member.crc_error = crc_mismatch(entry.name, entry.crc, crc)
+    if counter is not None:
+        member.nonfinite = counter.total

@@ -7,15 +7,19 @@ user can match their traceback: the first entry must sit in a subdirectory (its 
 prefix; torch writes the file's stem or `archive`), data.pkl and a version record must exist,
 every storage data.pkl names must have a record of numel x itemsize bytes, and every tensor
 must lie inside its storage. With `deep`, every entry's CRC32 is checked (torch.load never
-does) and float tensors are searched for NaN and Inf.
+does) and float tensors are searched for NaN and Inf; each storage entry is read (inflated,
+when a zip tool deflated it) once, in bounded chunks that feed both checks, however many
+tensors view it.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
 
-from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
+from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta, contiguous_stride
+from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, nonfinite_offsets
 from cachedoctor.formats.source import BytesSource, Source
 from cachedoctor.formats.torch_tensors import clip, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
@@ -25,7 +29,17 @@ from cachedoctor.formats.unpickler import (
     load_restricted,
     root_kind,
 )
-from cachedoctor.formats.zipdir import STORED, ZipDirectory, ZipEntry, crc_mismatch, entry_crc, read_entry
+from cachedoctor.formats.zipdir import (
+    MAX_WHOLE_ENTRY,
+    STORED,
+    OversizedEntry,
+    ZipDirectory,
+    ZipEntry,
+    crc_mismatch,
+    entry_chunks,
+    entry_crc,
+    read_entry,
+)
 
 # Files of one cache mostly share their data.pkl byte for byte (same structure, shape, dtype),
 # so its analysis is kept per worker, keyed by the bytes and the stored record sizes.
@@ -86,6 +100,8 @@ class _Reader:
         self.notes: list[str] = []
         self.globals: list[str] = []
         self.unsafe: list[str] = []
+        # --deep: CRC32 of the entries already streamed (None: it inflates too far)
+        self._crc: dict[ZipEntry, int | None] = {}
 
     def read(self) -> FileMeta:
         directory, errors = self.directory, self.errors
@@ -137,17 +153,7 @@ class _Reader:
         tensors = parsed.tensors
         nonfinite: tuple = ()
         if self.deep:
-            big = self._big_endian(records)
-
-            def locate(key: str) -> tuple[Source, int] | None:
-                record = records.get(f"data/{key}")
-                if record is None or key not in stored:
-                    return None
-                if record.method == STORED:
-                    return self.src, record.data_offset
-                return BytesSource(read_entry(self.src, record)), 0
-
-            nonfinite = nonfinite_counts(tensors, locate, big)
+            nonfinite = self._scan_storages(records, tensors, self._big_endian(records), prefix)
         return self._meta(root=parsed.root, tensors=tensors, nonfinite=nonfinite)
 
     def _check_version(self, records: dict[str, ZipEntry], prefix: str) -> None:
@@ -179,16 +185,134 @@ class _Reader:
         record = records.get("byteorder")
         return record is not None and read_entry(self.src, record, 16).strip() == b"big"
 
+    def _crc_recorded(self) -> bool:
+        return not all(e.crc == 0 for e in self.directory.entries if e.size)
+
+    def _scan_storages(self, records: dict[str, ZipEntry], tensors: tuple[TensorMeta, ...],
+                       big: bool, prefix: str) -> tuple:
+        """--deep: (path, count) for each float tensor with NaN or Inf among the elements it
+        reaches, in tensor order, as torch_tensors.nonfinite_counts finds them; and, on the
+        way, the CRC32 of each storage entry those tensors view (for _crc_errors).
+
+        Each such storage is read once, in chunks (zipdir.entry_chunks): an entry is never
+        whole in memory, and many tensors viewing one storage cost one pass, not one each.
+        A dense tensor is counted from the chunks (one NaN/Inf search per chunk, then a
+        binary search per tensor in the rare chunk that has any); a strided view is gathered
+        as before: from the file for a stored entry, else from a copy of the bytes the
+        storage's strided views span, kept while the chunks pass.
+        """
+        views: dict[str, list[int]] = {}
+        for i, meta in enumerate(tensors):
+            if meta.dtype not in FLOAT_DTYPES or meta.numel == 0 or meta.storage_bytes is None:
+                continue
+            if f"data/{meta.storage_key}" in records and meta.extent()[1] <= meta.storage_bytes:
+                views.setdefault(meta.storage_key, []).append(i)
+        counts = [0] * len(tensors)
+        check_crc = self._crc_recorded()
+        for key, indices in views.items():
+            record = records[f"data/{key}"]
+            if record.method == STORED and not check_crc:  # tensors read straight from the file
+                self._count_from_file(record, [tensors[i] for i in indices], counts, indices, big)
+                continue
+            try:
+                self._stream_storage(record, tensors, indices, counts, big, check_crc,
+                                     f"{prefix}data/{clip(key)}")
+            except OversizedEntry as exc:
+                self.errors.append(str(exc))
+                self._crc[record] = None
+                for i in indices:
+                    counts[i] = 0
+        return tuple((tensors[i].path, n) for i, n in enumerate(counts) if n)
+
+    def _count_from_file(self, record: ZipEntry, metas: list[TensorMeta], counts: list[int],
+                         indices: list[int], big: bool) -> None:
+        src, offset = self.src, record.data_offset
+        for i, meta in zip(indices, metas, strict=True):
+            found = nonfinite_counts([meta], lambda _key: (src, offset), big)
+            counts[i] = found[0][1] if found else 0
+
+    def _stream_storage(self, record: ZipEntry, tensors: tuple[TensorMeta, ...],
+                        indices: list[int], counts: list[int], big: bool, check_crc: bool,
+                        name: str) -> None:
+        import numpy as np
+
+        dense: dict[str, list[int]] = {}  # dtype -> tensors counted from the chunks
+        strided: list[int] = []
+        for i in indices:
+            meta = tensors[i]
+            if _is_dense(meta) and meta.itemsize == itemsize(meta.dtype):
+                dense.setdefault(meta.dtype, []).append(i)
+            else:
+                strided.append(i)
+        bounds = {dtype: (np.array([tensors[i].extent()[0] for i in group], np.int64),
+                          np.array([tensors[i].extent()[1] for i in group], np.int64),
+                          np.zeros(len(group), np.int64))  # NaN/Inf found so far
+                  for dtype, group in dense.items()}
+        stored = record.method == STORED
+        if stored:  # strided views are read from the file afterwards, as without CRCs
+            held_from = held_to = 0
+        else:
+            held_from = min((tensors[i].extent()[0] for i in strided), default=0)
+            held_to = max((tensors[i].extent()[1] for i in strided), default=0)
+            if held_to - held_from > MAX_WHOLE_ENTRY:
+                self.notes.append(
+                    f"the strided tensors viewing {name} span {held_to - held_from:,} bytes, "
+                    "more than --deep gathers from a deflated entry: their NaN/Inf are not "
+                    "counted")
+                strided, held_from, held_to = [], 0, 0
+        held = bytearray()
+        # with CRCs the whole entry, checked; without (only deflated entries come here), as
+        # much as read_entry reads and nothing past it
+        stop = None if check_crc else record.size
+        crc, pos = 0, 0
+        for chunk in entry_chunks(self.src, record, stop=stop):
+            if check_crc:
+                crc = zlib.crc32(chunk, crc)
+            end = pos + len(chunk)
+            for dtype, (begins, ends, found_so_far) in bounds.items():
+                found = nonfinite_offsets(chunk, dtype, big)  # None: none (nearly always)
+                if found is not None:
+                    found += pos
+                    lo, hi = np.clip(begins, pos, end), np.clip(ends, pos, end)
+                    found_so_far += np.searchsorted(found, hi) - np.searchsorted(found, lo)
+            if held_from < end and pos < held_to:
+                held += memoryview(chunk)[max(held_from - pos, 0) : held_to - pos]
+            pos = end
+        if check_crc:
+            self._crc[record] = crc
+        for dtype, (_, _, found_so_far) in bounds.items():
+            for i, n in zip(dense[dtype], found_so_far.tolist(), strict=True):
+                counts[i] = n
+        if stored:
+            self._count_from_file(record, [tensors[i] for i in strided], counts, strided, big)
+            return
+        if strided and len(held) < held_to - held_from:  # a short stream: zeros, all finite,
+            held += bytes(held_to - held_from - len(held))  # for the bytes it lacks
+        src = BytesSource(held)
+        for i in strided:
+            found = nonfinite_counts([tensors[i]], lambda _key: (src, -held_from), big)
+            counts[i] = found[0][1] if found else 0
+
     def _crc_errors(self) -> tuple[str, ...]:
         entries = self.directory.entries
-        if all(e.crc == 0 for e in entries if e.size):
+        if not self._crc_recorded():
             if any(e.size for e in entries):
                 self.notes.append("CRC32 not recorded (every entry's checksum is 0, as torch "
                                   "writes with compute_crc32=False): bytes cannot be verified")
             return ()
         found = []
         for e in entries:
-            actual = entry_crc(self.src, e)
+            if e in self._crc:  # a storage streamed by _scan_storages
+                actual = self._crc[e]
+                if actual is None:  # it inflates too far: reported as an error
+                    continue
+            else:
+                try:
+                    actual = entry_crc(self.src, e)
+                except OversizedEntry as exc:
+                    self.errors.append(str(exc))
+                    self._crc[e] = None
+                    continue
             if actual != e.crc:
                 found.append(crc_mismatch(clip(e.name), e.crc, actual))
         return tuple(found)
@@ -198,3 +322,11 @@ class _Reader:
         return FileMeta(self.path, self.src.size, TORCH_ZIP, globals=tuple(self.globals),
                         unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
                         crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)
+
+
+def _is_dense(meta: TensorMeta) -> bool:
+    """Whether the tensor's elements are exactly the bytes of its extent, in storage order
+    (as torch_tensors decides which tensors it counts without gathering)."""
+    dims = [(n, s) for n, s in zip(meta.shape, meta.stride, strict=True) if n != 1]
+    expected = contiguous_stride(tuple(n for n, _ in dims))
+    return all(s == e for (_, s), e in zip(dims, expected, strict=True))

@@ -30,8 +30,11 @@ LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
 CD_FIELDS = struct.Struct("<4x6xH4xIIIHHH8xI")
 LOCAL_HEAD = struct.Struct("<4s22xHH")  # signature, name and extra lengths
 MAX_ENTRIES = 1_000_000
-MAX_WHOLE_ENTRY = 1 << 30
-CHUNK = 1 << 20  # an entry read whole (--deep) beyond this is refused, not inflated
+MAX_WHOLE_ENTRY = 1 << 30  # an entry read whole (read_entry) beyond this is refused
+MAX_INFLATE = 1 << 34  # --deep streams (entry_chunks) a deflated entry up to this size
+MAX_OVERFLOW = 64 << 20  # and up to this many bytes past it (a damaged entry's, for its CRC)
+CHUNK = 1 << 20  # bytes per piece of an entry streamed (--deep): bounds a worker's memory
+INFLATE_INPUT = 64 * 1024  # compressed bytes per read (zlib copies the unused rest each call)
 STORED, DEFLATED = 0, 8
 
 
@@ -41,6 +44,11 @@ class ZipError(Exception):
 
 class DamagedEntry(ZipError):
     """An entry's compressed bytes do not inflate."""
+
+
+class OversizedEntry(ZipError):
+    """An entry inflates past the size the directory records, or records more than --deep
+    inflates (MAX_INFLATE)."""
 
 
 class ZipEntry(NamedTuple):  # a NamedTuple: built once per entry per file, so cheap matters
@@ -185,53 +193,104 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, i
 
 
 def read_entry(src: Source, entry: ZipEntry, limit: int | None = None) -> bytes:
-    """The entry's uncompressed bytes (at most `limit` of them when given)."""
+    """The entry's uncompressed bytes (at most `limit` of them when given; an entry that
+    inflates past its recorded size is cut there, as zipfile and torch read it)."""
     want = entry.size if limit is None else min(limit, entry.size)
     if want > MAX_WHOLE_ENTRY:
         raise ZipError(f"entry '{entry.name}' is {entry.size:,} bytes, too large to read whole")
     if entry.method == STORED:
         return src.pread(entry.data_offset, want)
-    out = bytearray()
-    for piece in _inflated(src, entry):
-        out += piece
-        if len(out) >= want:
-            break
-    return bytes(out[:want])
+    pieces = list(entry_chunks(src, entry, stop=want))
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def _inflated(src: Source, entry: ZipEntry) -> Iterator[bytes]:
-    """A deflated entry's bytes, a chunk at a time; DamagedEntry if the stream is broken."""
-    if entry.method != DEFLATED:
-        raise ZipError(f"entry '{entry.name}' uses compression method {entry.method}, not stored/deflate")
-    inflater = zlib.decompressobj(-15)
-    pos, end = entry.data_offset, entry.data_offset + entry.compressed_size
-    try:
-        while pos < end and not inflater.eof:
-            chunk = src.pread(pos, min(CHUNK, end - pos))
+def entry_chunks(src: Source, entry: ZipEntry, stop: int | None = None) -> Iterator[bytes]:
+    """The entry's uncompressed bytes in CHUNK-sized pieces (the last one shorter): what
+    --deep streams, so that no entry is ever whole in memory. Every piece starts at a
+    multiple of CHUNK, so it holds whole elements of any dtype.
+
+    With `stop` None the whole stream is read, as a CRC32 check needs it: bytes a damaged
+    entry inflates past its recorded size come too, up to MAX_OVERFLOW of them, then
+    OversizedEntry (a zip bomb: never inflated further); OversizedEntry also for an entry
+    that records more than MAX_INFLATE. A stream that ends early just yields less. With
+    `stop`, the bytes up to `stop` (and the recorded size) are read and nothing past them,
+    as zipfile and torch read an entry.
+    DamagedEntry if the deflate stream is broken, ZipError for a method other than
+    stored/deflate.
+    """
+    strict = stop is None
+    stop = entry.size if stop is None else max(0, min(stop, entry.size))
+    pos = 0
+    if entry.method == STORED:
+        while pos < stop:
+            chunk = src.pread(entry.data_offset + pos, min(CHUNK, stop - pos))
             if not chunk:
                 return
+            yield chunk
             pos += len(chunk)
-            while chunk:
-                yield inflater.decompress(chunk, CHUNK)
-                chunk = inflater.unconsumed_tail
+        return
+    if entry.method != DEFLATED:
+        raise ZipError(f"entry '{entry.name}' uses compression method {entry.method}, not stored/deflate")
+    if stop > MAX_INFLATE:
+        raise OversizedEntry(
+            f"entry '{entry.name}' inflates to {entry.size:,} bytes, more than the "
+            f"{MAX_INFLATE:,} --deep inflates: its CRC32 and values are not checked")
+    if strict:
+        stop += MAX_OVERFLOW
+    elif stop == 0:
+        return
+    yield from _inflate_chunks(src, entry, stop, strict)
+
+
+def _inflate_chunks(src: Source, entry: ZipEntry, stop: int, strict: bool) -> Iterator[bytes]:
+    inflater = zlib.decompressobj(-15)
+    pos, end = entry.data_offset, entry.data_offset + entry.compressed_size
+    data = b""  # compressed bytes not yet given to the inflater
+    buf = bytearray()  # inflated bytes of the next piece, when they came in several parts
+    done = 0  # bytes inflated so far
+    try:
+        while not inflater.eof:
+            if not data and pos < end:
+                data = src.pread(pos, min(INFLATE_INPUT, end - pos))
+                pos += len(data)
+            if not data:  # all the input is in: what zlib may still hold (a match's tail)
+                piece = inflater.decompress(b"", CHUNK - len(buf))
+                if not piece:
+                    break
+            else:
+                piece = inflater.decompress(data, CHUNK - len(buf))
+                data = inflater.unconsumed_tail
+            if not piece:
+                continue
+            if done + len(piece) > stop:
+                if strict:
+                    raise OversizedEntry(
+                        f"entry '{entry.name}' inflates to more than {stop:,} bytes, where the "
+                        f"zip directory records {entry.size:,} (a zip bomb, or a damaged "
+                        "directory): its CRC32 and values are not checked")
+                piece = piece[: stop - done]
+            done += len(piece)
+            if not buf and len(piece) == CHUNK:
+                yield piece  # the usual case: no copy
+            else:
+                buf += piece
+                if len(buf) == CHUNK:
+                    yield bytes(buf)
+                    buf.clear()
+            if done >= stop and not strict:
+                break
     except zlib.error as exc:
         raise DamagedEntry(f"deflate stream of '{entry.name}' is damaged ({exc})") from None
+    if buf:
+        yield bytes(buf)
 
 
 def entry_crc(src: Source, entry: ZipEntry) -> int:
-    """CRC32 of the entry's uncompressed bytes, read in chunks (never whole in memory)."""
+    """CRC32 of the entry's uncompressed bytes, read in chunks (never whole in memory);
+    OversizedEntry as entry_chunks."""
     crc = 0
-    if entry.method != STORED:
-        for piece in _inflated(src, entry):
-            crc = zlib.crc32(piece, crc)
-        return crc
-    pos, end = entry.data_offset, entry.data_offset + entry.size
-    while pos < end:
-        chunk = src.pread(pos, min(CHUNK, end - pos))
-        if not chunk:
-            break
+    for chunk in entry_chunks(src, entry):
         crc = zlib.crc32(chunk, crc)
-        pos += len(chunk)
     return crc
 
 
