@@ -21,6 +21,12 @@ of shared/research/tensor-formats.md §7 that set the targets (`--layout dict`),
 tensor as SimpleTuner writes it (`--layout bare`), which torch.load reads about 1.7x faster.
 
     python benchmarks/scan_speed.py [--files N] [--layout dict|bare] [--dir DIR] [--keep]
+                                    [--links K] [--repeats R]
+
+`--links K` scans K times as many files without K times the disk: every built file gets K-1
+more names (hard links, in K-1 copies of the cache folders; the loops read them all too). It
+shows where the ratios go at the scale the scan is for, where the start-up of a process is
+spread over a million files, not 20,000. `--repeats` sets the best-of count (default 5).
 """
 
 from __future__ import annotations
@@ -89,6 +95,22 @@ def _read_tail(paths: list[str]) -> int:
     return len(paths)
 
 
+def _linked(root: str, paths: list[str], links: int) -> tuple[list[str], list[str]]:
+    """Every path and K-1 hard links to it, in copies of the cache folders: (paths, caches)."""
+    out, caches = list(paths), [os.path.join(root, c) for c in CACHES]
+    for k in range(1, links):
+        for path in paths:
+            cache, part, name = path.rsplit(os.sep, 3)[1:]
+            folder = os.path.join(root, f"{cache}-{k}", part)
+            os.makedirs(folder, exist_ok=True)
+            link = os.path.join(folder, name)
+            if not os.path.exists(link):
+                os.link(path, link)
+            out.append(link)
+        caches += [os.path.join(root, f"{c}-{k}") for c in CACHES]
+    return out, caches
+
+
 def _flat_links(root: str, paths: list[str]) -> str:
     """One folder holding every file (hard links: no copy, the same page cache)."""
     flat = os.path.join(root, "flat")
@@ -145,6 +167,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=("dict", "bare"), default="dict")
     parser.add_argument("--dir", help="build (or reuse) the files here instead of a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    parser.add_argument("--links", type=int, default=1, help="K names per built file (hard links)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="best of R (default 5)")
     parser.add_argument("--load-script", nargs=2, metavar=("PATHS_FILE", "JOBS"),
                         help=argparse.SUPPRESS)  # the fresh-process baseline runs this file
     args = parser.parse_args()
@@ -158,24 +182,24 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     try:
         t0 = time.perf_counter()
-        paths = build(root, args.files, args.layout)
+        paths, targets = _linked(root, build(root, args.files, args.layout), args.links)
         total = sum(os.path.getsize(p) for p in paths)
-        print(f"{len(paths):,} files ({args.layout}), {total / 1e9:.2f} GB in {root} "
+        named = f" ({args.links} names each)" if args.links > 1 else ""
+        print(f"{len(paths):,} files{named} ({args.layout}), {total / 1e9:.2f} GB in {root} "
               f"(built in {time.perf_counter() - t0:.0f} s); {cores} cores")
         _read_tail(paths)  # warm the page cache: every figure below is warm
-        targets = [os.path.join(root, c) for c in CACHES]
         listing = os.path.join(root, "paths.txt")
         with open(listing, "w") as f:
             f.write("\n".join(paths))
         empty = tempfile.mkdtemp(prefix="cachedoctor-bench-empty-")
-        startup = min(timed_scan([empty], 1)[0] for _ in range(REPEATS))
+        startup = min(timed_scan([empty], 1)[0] for _ in range(args.repeats))
         os.rmdir(empty)
         print(f"start-up (scan of an empty dir): {startup:.2f} s")
         rows = []
         for jobs in sorted({1, cores}):
-            # best of REPEATS for each, interleaved, so a busy moment of the machine hits all three
+            # best of --repeats for each, interleaved, so a busy moment of the machine hits all three
             scan_s = load_s = tail_s = script_s = float("inf")
-            for _ in range(REPEATS):
+            for _ in range(args.repeats):
                 elapsed, report = timed_scan(targets, jobs)
                 assert report["summary"]["files"] == len(paths), report["summary"]
                 scan_s = min(scan_s, elapsed)
@@ -198,14 +222,18 @@ def main() -> None:
         part = [os.path.join(root, CACHES[0], "part000")]
         small, full = peak_rss_kib(part, cores), peak_rss_kib(targets, cores)
         in_part = len(os.listdir(part[0]))
-        flat = _flat_links(root, paths)  # a SimpleTuner-style flat cache: every file in one folder
+        # a SimpleTuner-style flat cache: every file of one shape in one folder (both shapes in
+        # one folder would be CD303, whose finding lists the odd files)
+        one_shape = [p for p in paths if os.sep + CACHES[0] in p]
+        flat = _flat_links(root, one_shape)
         try:
             flat_rss = peak_rss_kib([flat], cores)
         finally:
             shutil.rmtree(flat, ignore_errors=True)
         print(f"peak RSS of the largest scan process: {small / 1024:.0f} MiB for one folder "
               f"({in_part:,} files), {full / 1024:.0f} MiB for {n:,} files in folders of "
-              f"{PER_DIR:,}, {flat_rss / 1024:.0f} MiB for {n:,} files in one folder")
+              f"{PER_DIR:,}, {flat_rss / 1024:.0f} MiB for {len(one_shape):,} files in one "
+              "folder")
         # The loops run in this process, torch imported: the scan's own start-up has no
         # counterpart in them, so the targets are judged per file, like for like, and also
         # as measured (the scan's start-up in, the loops' out).
