@@ -1,4 +1,5 @@
-"""How much a pickle may make the reader build, and how often a broken one is read.
+"""How much a pickle may make the reader build, how deep its tuples may nest, and how often a
+broken one is read.
 
 A cache can be hostile: one opcode byte can build a 224-byte set, so a 64 MiB pickle could ask
 for 15 GiB. The guard counts what the opcodes would build before anything is built and refuses
@@ -113,7 +114,7 @@ def test_a_large_sane_pickle_still_reads():
     aggregate = {f"/data/latents/{i:07d}.pt": [i * 7919 % 100_003, i % 17]
                  for i in range(200_000)}
     data = pickle.dumps(aggregate, protocol=2)
-    assert len(data) > pickle_guard.MAX_MEASURED_BYTES  # the old tuple check refused it
+    assert len(data) > 4 * MEGA  # the old tuple check refused what it could not measure
     meta = read_bytes(data, "aggregate.pkl")
     assert meta.errors == () and meta.root == "dict"
     assert meta.unsafe_globals == ()
@@ -254,3 +255,183 @@ def test_scan_work_is_capped(monkeypatch):
     assert scan_globals(data) == ([], [])
     monkeypatch.setattr(unpickler, "MAX_SCAN_STEPS", 300_000)
     assert scan_globals(data) == (["posix.system"], ["posix.system"])
+
+
+# ---- how deep tuples nest ----------------------------------------------------------------------
+#
+# A tuple nested ~10^5 deep crashes CPython 3.11 when hashed (a dict key, a set member): the
+# guard refuses past MAX_TUPLE_DEPTH before the C unpickler sees the stream, wherever in it the
+# nesting is, and reads the millions of shallow tuples a big dataset's aggregate holds.
+
+DEEP = 2 * pickle_guard.MAX_TUPLE_DEPTH
+NESTS = f"nests tuples more than {pickle_guard.MAX_TUPLE_DEPTH:,} deep"
+
+
+def test_a_onetrainer_aggregate_of_100k_samples_reads(tmp_path):
+    # OneTrainer (mgds DiskCache) writes one aggregate.pt per variation: a dict per sample
+    torch = pytest.importorskip("torch")
+    aggregate = [{"crop_resolution": (1024, 768 + i % 5), "image_path": f"/data/photos/img_{i:06d}.png",
+                  "crop_offset": (0, i % 3), "original_resolution": (2048, 1536)}
+                 for i in range(100_000)]
+    path = tmp_path / "aggregate.pt"
+    torch.save(aggregate, path)
+    started = time.perf_counter()
+    meta = read_bytes(path.read_bytes(), str(path))
+    assert meta.errors == () and meta.unsafe_globals == () and meta.globals == ()
+    assert meta.format == "torch-zip" and meta.root == "list" and meta.tensors == ()
+    assert time.perf_counter() - started < 20  # about 1.5 s on a 2-core machine
+
+
+def test_a_million_small_tuples_read():
+    rows = [(i, i + 1) for i in range(1_000_000)]
+    data = pickle.dumps(rows)  # 11 MiB, 4 million opcodes
+    started = time.perf_counter()
+    meta = read_bytes(data, "rows.pkl")
+    assert meta.errors == () and meta.root == "list" and meta.unsafe_globals == ()
+    assert time.perf_counter() - started < 20  # about 1 s on a 2-core machine
+
+
+def sane_padding(entries: int = 60_000) -> bytes:
+    """List items a real cache holds, over 4 MiB of them: file names, sizes, small tuples."""
+    items = []
+    for i in range(entries):
+        name = f"/data/latents/{i:07d}_{'x' * 40}.pt".encode()
+        items.append(b"X" + len(name).to_bytes(4, "little") + name + b"J" + (i * 7919).to_bytes(4, "little")
+                     + b"K\x05K\x07\x86" + b"\x87")  # (name, size, (5, 7))
+    return b"".join(items)
+
+
+def deep_list(item: bytes) -> bytes:
+    """A protocol-2 list of sane padding, then `item` (opcodes that push one value)."""
+    return b"\x80\x02](" + sane_padding() + item + b"e."
+
+
+HOSTILE = {
+    # each pushes one value holding a tuple DEEP levels deep
+    "TUPLE1 repeated, as a dict key": b"}" + b"N" + b"\x85" * DEEP + b"Ns",
+    "MARK...TUPLE nested, in a set": b"\x8f(" + b"(" * DEEP + b"N" + b"t" * DEEP + b"\x90",
+    "TUPLE2 of (tuple, int), ops between": b"}" + b"N" + b"K\x07\x86q\x01N0" * DEEP + b"K\x01s",
+    "TUPLE3 with GETs of a string": b"X\x01\x00\x00\x00sq\x02N" + b"h\x02h\x02\x87" * DEEP,
+    "through memo PUT and GET": b"N\x85q\x03" + b"h\x03\x85q\x030" * DEEP + b"h\x03",
+    "through MEMOIZE and LONG_BINGET, in a FROZENSET": b"(" + b"N\x85\x94" + b"".join(
+        b"j" + i.to_bytes(4, "little") + b"\x85\x940" for i in range(DEEP))
+        + b"j" + DEEP.to_bytes(4, "little") + b"\x91",
+    "past a mark POP pops": b"}" + b"N" + b"\x85(0" * DEEP + b"Ns",
+    "DUP and BUILD": b"N" + b"\x85" + b"2\x86Nb" * DEEP,
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_deep_nesting_past_4_mib_of_sane_data_is_refused(name, monkeypatch):
+    data = deep_list(HOSTILE[name])
+    assert len(data) > 4 * MEGA
+    measured_depth = pickle_guard._tuple_depth(data, 0, len(data))
+    assert measured_depth > pickle_guard.MAX_TUPLE_DEPTH
+    monkeypatch.setattr(unpickler, "_RestrictedUnpickler", None)  # never given the stream
+    started = time.perf_counter()
+    with pytest.raises(UnpickleError, match=NESTS):
+        load_restricted(data)
+    assert time.perf_counter() - started < 20  # about 0.5 s on a 2-core machine
+
+
+def test_shallow_nesting_of_every_shape_reads():
+    # the same shapes a few levels deep, many times over: measured, and fine
+    for item in (b"N\x85\x85\x85", b"(N\x85K\x01t", b"X\x01\x00\x00\x00sq\x020Nh\x02h\x02\x87\x85",
+                 b"N\x85q\x030h\x03\x85q\x030h\x03", b"N\x852\x86Nb"):
+        data = b"\x80\x02](" + item * (pickle_guard.MAX_TUPLE_DEPTH + 1) + b"e."
+        found = load_restricted(data).obj
+        assert len(found) == pickle_guard.MAX_TUPLE_DEPTH + 1, item
+
+
+def test_nesting_too_long_to_measure_is_refused(monkeypatch):
+    # past MAX_MEASURED_OPS opcodes that the shape does not bound, the pickle is refused
+    monkeypatch.setattr(pickle_guard, "MAX_MEASURED_OPS", 100_000)
+    data = deep_list(HOSTILE["through memo PUT and GET"])
+    with pytest.raises(UnpickleError, match="too many tuple operations to check"):
+        load_restricted(data)
+    # and what the shape bounds is read however long it is
+    assert len(load_restricted(deep_list(b"N")).obj) == 60_001
+
+
+def test_a_hostile_stream_under_the_build_cap_is_checked_in_seconds():
+    # 14 million opcodes (the most the build cap lets through is about this), a deep chain last
+    data = b"\x80\x02" + b"N0" * 14_000_000 + b"N" + b"\x85" * DEEP + b"."
+    started = time.perf_counter()
+    with pytest.raises(UnpickleError, match="tuple"):
+        load_restricted(data)
+    assert time.perf_counter() - started < 30  # about 1.5 s on a 2-core machine
+
+
+def python_depth(obj) -> int:
+    # as the guard counts: lists break a chain (unhashable), () is no level
+    if type(obj) is tuple and obj:
+        return 1 + max(python_depth(v) for v in obj)
+    return 0
+
+
+def deepest_tuple(obj) -> int:
+    deepest, stack, seen = 0, [obj], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        deepest = max(deepest, python_depth(value))
+        if isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend([*value, *value.values()])
+    return deepest
+
+
+def is_hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def random_object(rng: random.Random, shared: list, depth: int = 0):
+    roll = rng.random()
+    if depth > 12 or roll < 0.25:
+        return rng.choice([1, 300, 70_000, 2**40, "s", "t" * 300, None, 1.5])
+    if roll < 0.35 and shared:
+        return rng.choice(shared)  # pickled once, then by GET
+    if roll < 0.75:
+        value = tuple(random_object(rng, shared, depth + 1) for _ in range(rng.randint(1, 4)))
+    elif roll < 0.9:
+        value = [random_object(rng, shared, depth + 1) for _ in range(rng.randint(0, 3))]
+    else:
+        keys = [random_object(rng, shared, depth + 1) if rng.random() < 0.3 else i
+                for i in range(rng.randint(0, 2))]
+        value = {key: random_object(rng, shared, depth + 1) for key in keys if is_hashable(key)}
+    shared.append(value)
+    return value
+
+
+def test_the_shape_bound_and_the_measure_agree_with_python(monkeypatch):
+    # with a small MAX_TUPLE_DEPTH the bound from the shape and the op-by-op measure both
+    # decide on thousands of random pickles: neither may pass a tuple nested deeper
+    monkeypatch.setattr(pickle_guard, "MAX_TUPLE_DEPTH", 4)
+    rng = random.Random(5)
+    bounded = refused = 0
+    for _ in range(400):
+        shared: list = []
+        obj = [random_object(rng, shared) for _ in range(rng.randint(1, 4))]
+        deepest = deepest_tuple(obj)
+        for protocol in (0, 2, 4):
+            data = pickle.dumps(obj, protocol=protocol)
+            ops = b"".join(piece for piece, _ in pickle_guard._opcode_pieces(data, 0, len(data)))
+            measured_depth = pickle_guard._tuple_depth(data, 0, len(data))
+            assert measured_depth == deepest or (deepest > 4 and measured_depth == 5)
+            if pickle_guard._shallow(ops):
+                bounded += 1
+                assert deepest <= 4, (obj, protocol)
+            try:
+                pickle_guard.check_stream(data)
+                assert deepest <= 4
+            except pickle_guard.StreamError as exc:
+                assert deepest > 4 and "nests tuples more than 4 deep" in str(exc)
+                refused += 1
+    assert bounded > 200 and refused > 100, (bounded, refused)  # both ways are tried
