@@ -147,6 +147,28 @@ class TensorRef:
                 f"offset={self.storage_offset}, storage={key!r}, {self.location!r})")
 
 
+# What the calls of one load may copy of their arguments. Each REDUCE costs the stream a few
+# bytes, however big the memoized argument it is given: a 1 MB string encoded 2,000 times, or a
+# tuple of a million items handed to a stub again and again, builds gigabytes from a megabyte.
+# pickle_guard's estimate counts what opcodes build; this counts what calls copy. Reset per load.
+MAX_COPIED_BYTES = 256 * 1024 * 1024
+_copied = 0
+
+
+def _charge(value: object, per_item: int = 8) -> None:
+    """Count a call's copy of `value` (its characters or bytes; `per_item` per entry of a
+    container) against MAX_COPIED_BYTES."""
+    global _copied
+    if isinstance(value, (str, bytes, bytearray)):
+        _copied += len(value)
+    elif isinstance(value, (tuple, list, dict, set, frozenset)):
+        _copied += per_item * len(value)
+    if _copied > MAX_COPIED_BYTES:
+        raise pickle.UnpicklingError(
+            f"the pickle's calls would copy more than {MAX_COPIED_BYTES // 2**20} MiB of their "
+            "arguments (one memoized value handed to a call again and again)")
+
+
 class Stub:
     """Stand-in for a global we do not interpret: keeps what the pickle gave it, runs nothing."""
 
@@ -155,6 +177,8 @@ class Stub:
     unsafe = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
+        _charge(args)  # *args repacks them: a copy of every reference
+        _charge(kwargs)
         self = object.__new__(cls)
         self.args, self.kwargs = args, kwargs
         self.state, self.items, self.mapping = None, [], {}
@@ -381,6 +405,7 @@ def _size(*args: object) -> tuple[int, ...]:
         return ()
     if type(args[0]) not in (tuple, list) or any(type(v) is not int for v in args[0]):
         raise pickle.UnpicklingError("torch.Size holds something other than integers")
+    _charge(args[0])
     return tuple(args[0])
 
 
@@ -398,6 +423,7 @@ def _encode(obj: object, encoding: object = "utf-8", errors: object = "strict") 
     if (type(obj) is not str or type(encoding) is not str or type(errors) is not str
             or encoding.lower().replace("_", "-") not in _CODECS):
         raise pickle.UnpicklingError("_codecs.encode is asked for something other than text")
+    _charge(obj)
     return obj.encode(encoding, errors)
 
 
@@ -405,19 +431,38 @@ def _bytearray(*args: object) -> bytearray:
     if args and isinstance(args[0], int):
         raise pickle.UnpicklingError(
             f"the pickle asks bytearray() to allocate {args[0]:,} bytes")
+    if args:
+        _charge(args[0])
     return bytearray(*args)
 
 
 def _counter(*args: object, **kwargs: object) -> Counter:
     # collections.Counter is a Python class a BUILD could modify: hand out instances only.
+    if args:
+        _charge(args[0], per_item=_HASHED)
     return Counter(*args, **kwargs)
+
+
+_HASHED = 64  # bytes per entry of a set or dict built from a container
+
+
+def _set(*args: object) -> set:
+    if args:
+        _charge(args[0], per_item=_HASHED)
+    return set(*args)
+
+
+def _ordered_dict(*args: object, **kwargs: object) -> OrderedDict:
+    if args:
+        _charge(args[0], per_item=_HASHED)
+    return OrderedDict(*args, **kwargs)
 
 
 def _allowed_globals() -> dict[str, object]:
     table: dict[str, object] = {
-        "collections.OrderedDict": OrderedDict,
+        "collections.OrderedDict": _Factory(_ordered_dict),
         "collections.Counter": _Factory(_counter),
-        "builtins.set": set,
+        "builtins.set": _Factory(_set),
         "builtins.complex": complex,
         "builtins.bytearray": _Factory(_bytearray),
         "_codecs.encode": _Factory(_encode),
@@ -610,6 +655,8 @@ def load_restricted(data: bytes | bytearray | memoryview | BinaryIO, offset: int
             raise UnpickleError(f"the pickle runs past the {MAX_PICKLE_BYTES // 2**20} MiB "
                                 "cachedoctor unpickles") from None
         raise UnpickleError(str(exc), truncated=exc.truncated, scan=(data, offset)) from None
+    global _copied
+    _copied = 0
     unpickler = _RestrictedUnpickler(data[offset:end] if offset or end < len(data) else data,
                                      legacy)
     try:

@@ -435,3 +435,36 @@ def test_the_shape_bound_and_the_measure_agree_with_python(monkeypatch):
                 assert deepest > 4 and "nests tuples more than 4 deep" in str(exc)
                 refused += 1
     assert bounded > 200 and refused > 100, (bounded, refused)  # both ways are tried
+
+
+def _repeated_calls(call: bytes, argument: bytes, times: int) -> bytes:
+    """One big argument memoized, then handed to the same call `times` times (a few bytes of
+    stream each): GLOBAL, GET, TUPLE1 (unless the argument is the call's whole argument tuple),
+    REDUCE, POP."""
+    wrap = b"" if argument.startswith(b"(") else b"\x85"
+    return (b"\x80\x02" + argument + b"q\x00" + b"0"
+            + (call + b"h\x00" + wrap + b"R0") * times + b"N.")
+
+
+@pytest.mark.parametrize(("what", "call", "argument"), [
+    ("_codecs.encode of a 1 MiB string", b"c_codecs\nencode\n",
+     b"X" + (MEGA).to_bytes(4, "little") + b"a" * MEGA),
+    ("a stub called with 256k arguments", b"cevil\nX\n",
+     b"(" + b"N" * (256 * 1024) + b"t"),
+    ("set() of a list of 64k items", b"c__builtin__\nset\n",
+     b"]q\x01(" + b"K\x01" * (64 * 1024) + b"e"),
+])
+def test_calls_that_copy_one_memoized_argument_again_and_again_are_refused(
+        what: str, call: bytes, argument: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1 MB pickle reached 2 GB: each REDUCE is a few bytes, the copy it makes is not."""
+    monkeypatch.setattr(unpickler, "MAX_COPIED_BYTES", 16 * MEGA)
+    stream = _repeated_calls(call, argument, 64)  # 64 MiB of copies from ~1 MB
+    def refused() -> str:
+        with pytest.raises(UnpickleError, match="would copy more than 16 MiB") as caught:
+            load_restricted(stream)
+        return str(caught.value)
+
+    _, peak, _ = measured(refused)
+    assert peak < 40 * MEGA, what
+    # the same call a few times is what real files do
+    assert load_restricted(_repeated_calls(call, argument, 3)).obj is None
