@@ -306,8 +306,9 @@ def _check_build(data: bytes, start: int, stop: int, memo: int,
             raise StreamError(
                 f"the pickle would build more than {MAX_BUILD_BYTES // 2**20} MiB of objects, "
                 f"stack entries and memo slots ({objects:,} of them in its first "
-                f"{pos - start:,} bytes, counted before anything is built): no cache holds "
-                "that much, and cachedoctor does not unpickle it")
+                f"{pos - start:,} bytes, counted before anything is built): no latent or "
+                "embedding holds that much (a OneTrainer aggregate.pt of ~500,000 samples "
+                "does), and cachedoctor does not unpickle it: not checked")
     return tuples, b"".join(pieces)
 
 

@@ -84,7 +84,7 @@ def test_container_floods_are_refused_before_anything_is_built(name, container):
         meta, peak, seconds = measured(lambda: read_bytes(data, path))
     assert len(meta.errors) == 1, meta.errors
     assert f"would build more than {BUILD_MIB} MiB of objects" in meta.errors[0]
-    assert "no cache holds that much" in meta.errors[0]
+    assert "no latent or embedding holds that much" in meta.errors[0]
     # what was built: the reader's own buffers, not hundreds of MiB of sets
     assert peak < 2 * len(data) + 16 * MEGA, f"{peak / MEGA:.0f} MiB"
     assert seconds < 20  # about 0.05 s on a laptop
