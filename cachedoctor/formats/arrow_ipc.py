@@ -24,7 +24,7 @@ CONTINUATION = b"\xff\xff\xff\xff"
 SCHEMA, DICTIONARY_BATCH, RECORD_BATCH = 1, 2, 3
 HEADERS = {1: "schema", 2: "dictionary batch", 3: "record batch", 4: "tensor", 5: "sparse tensor"}
 MAX_MESSAGES = 1_000_000  # a hostile file of empty messages must not take minutes
-_I32, _U32, _I64 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<q")
+_I32, _U32 = struct.Struct("<i"), struct.Struct("<I")
 
 
 class ArrowError(ValueError):
@@ -60,12 +60,10 @@ def _walk(src: Source) -> dict[str, str]:
                              f"{size:,} bytes")
         at = 8
     batches = rows = 0
-    kinds: list[int] = []
-    for _ in range(MAX_MESSAGES):
+    for messages in range(MAX_MESSAGES):  # the messages read before this one
         if at == end:
-            what = "file" if end != size else "stream"
-            if not kinds:
-                raise ArrowError(f"empty Arrow {what}: no schema")
+            if not messages:
+                raise ArrowError(f"empty Arrow {'file' if end != size else 'stream'}: no schema")
             if end != size:
                 break  # a file's stream may end at its footer
             raise ArrowError(
@@ -83,24 +81,23 @@ def _walk(src: Source) -> dict[str, str]:
         else:  # the format before Arrow 0.15: no continuation
             length, start = _I32.unpack_from(prefix)[0], at + 4
         if length == 0:
-            if not kinds:
+            if not messages:
                 raise ArrowError("Arrow stream that ends before its schema")
             break  # end-of-stream
         if length < 0 or start + length > end:
             raise ArrowError(f"Arrow message at byte {at:,} declares {length:,} metadata bytes; "
                              f"{max(0, end - start):,} remain: truncated or damaged")
         kind, body, count = _message(src.pread(start, length), at)
-        if not kinds and kind != SCHEMA:
+        if not messages and kind != SCHEMA:
             raise ArrowError(f"Arrow stream opens with a {HEADERS.get(kind, kind)} message, "
                              "not its schema")
-        at = start + length + body
-        if at > end:
+        if start + length + body > end:
             raise ArrowError(
-                f"Arrow message {len(kinds)} (a {HEADERS.get(kind, 'message')}) at byte "
-                f"{start - 8:,} has a {body:,}-byte body; {max(0, end - start - length):,} "
+                f"Arrow message {messages} (a {HEADERS.get(kind, 'message')}) at byte "
+                f"{at:,} has a {body:,}-byte body; {max(0, end - start - length):,} "
                 "remain: truncated "
                 "(pyarrow: 'Expected to be able to read ... bytes for message body')")
-        kinds.append(kind)
+        at = start + length + body
         if kind == RECORD_BATCH:
             batches += 1
             rows += count
