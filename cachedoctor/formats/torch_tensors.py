@@ -82,7 +82,7 @@ def nonfinite_counts(tensors: list[TensorMeta], locate: Locate, big_endian: bool
             continue
         src, offset = where
         begin, end = meta.extent()
-        if _is_dense(meta):
+        if is_dense(meta):
             count = count_nonfinite_at(src, offset + begin, end - begin, meta.dtype, big_endian)
         else:
             count = _count_strided(src.pread(offset + begin, end - begin), meta, big_endian)
@@ -91,7 +91,7 @@ def nonfinite_counts(tensors: list[TensorMeta], locate: Locate, big_endian: bool
     return tuple(found)
 
 
-def _is_dense(meta: TensorMeta) -> bool:
+def is_dense(meta: TensorMeta) -> bool:
     """Whether the tensor's elements are exactly the bytes of its extent, in storage order."""
     dims = [(n, s) for n, s in zip(meta.shape, meta.stride, strict=True) if n != 1]
     expected = contiguous_stride(tuple(n for n, _ in dims))

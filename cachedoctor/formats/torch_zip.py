@@ -18,10 +18,10 @@ import functools
 import zlib
 from dataclasses import dataclass
 
-from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta, contiguous_stride
+from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, nonfinite_offsets
 from cachedoctor.formats.source import BytesSource, Source
-from cachedoctor.formats.torch_tensors import clip, nonfinite_counts, tensor_metas
+from cachedoctor.formats.torch_tensors import clip, is_dense, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
     MAX_PICKLE_BYTES,
     StorageRef,
@@ -240,7 +240,7 @@ class _Reader:
         strided: list[int] = []
         for i in indices:
             meta = tensors[i]
-            if _is_dense(meta) and meta.itemsize == itemsize(meta.dtype):
+            if is_dense(meta) and meta.itemsize == itemsize(meta.dtype):
                 dense.setdefault(meta.dtype, []).append(i)
             else:
                 strided.append(i)
@@ -323,10 +323,3 @@ class _Reader:
                         unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
                         crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)
 
-
-def _is_dense(meta: TensorMeta) -> bool:
-    """Whether the tensor's elements are exactly the bytes of its extent, in storage order
-    (as torch_tensors decides which tensors it counts without gathering)."""
-    dims = [(n, s) for n, s in zip(meta.shape, meta.stride, strict=True) if n != 1]
-    expected = contiguous_stride(tuple(n for n, _ in dims))
-    return all(s == e for (_, s), e in zip(dims, expected, strict=True))
