@@ -23,7 +23,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,7 +37,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, typed, unique, working_dir
+from cachedoctor.layouts.common import Problems, ending, listdir, typed, unique, working_dir
 from cachedoctor.layouts.entries import (
     Changes,
     Entries,
@@ -74,12 +74,8 @@ def discover(folder: str) -> list[str]:
     found = []
     for where, suffixes in ((os.path.join(folder, "config"), (".yaml", ".yml", ".json")),
                             (folder, (".yaml", ".yml"))):
-        found += [os.path.join(where, n) for n in listdir(where, _ending(suffixes))]
+        found += [os.path.join(where, n) for n in listdir(where, ending(*suffixes))]
     return found
-
-
-def _ending(suffixes: tuple[str, ...]) -> Callable[[str], bool]:
-    return lambda name: name.endswith(suffixes)
 
 
 def _reason(root: str) -> str:

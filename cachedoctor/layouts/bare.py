@@ -48,7 +48,7 @@ def layout(path: str) -> Layout:
         dataset = Dataset(name, cache_dirs=tuple(latent_caches), image_dirs=(path,),
                           caches_beside_images=True, naming=BareNaming(frozen({})))
         return Layout("bare", None, (dataset,))
-    aggregates = _aggregates(path) if os.path.isdir(path) else {}
+    aggregates = _aggregates(path) if isdir else {}
     naming = BareNaming(frozen(aggregates))
     # OneTrainer saves from and loads to its train_device (mgds DiskCache: torch.save without
     # .cpu(), torch.load with map_location): without the config, any device is its own
@@ -67,8 +67,7 @@ def _aitoolkit_caches(path: str) -> list[str]:
     it (a stat per sub-folder, not a listing)."""
     if aitoolkit.LATENT_DIR in subdirs(path):
         return [os.path.join(path, aitoolkit.LATENT_DIR)]
-    found = (os.path.join(path, sub, aitoolkit.LATENT_DIR) for sub in subdirs(path)
-             if sub != aitoolkit.LATENT_DIR)
+    found = (os.path.join(path, sub, aitoolkit.LATENT_DIR) for sub in subdirs(path))
     return [cache for cache in found if os.path.isdir(cache)]
 
 

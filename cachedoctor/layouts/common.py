@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from cachedoctor.layouts.base import INVALID, MISSING_PATH, ConfigProblem, Origin, frozen
-from cachedoctor.layouts.sources import ConfigFile, type_name
+from cachedoctor.layouts.sources import KINDS, ConfigFile, type_name
 
 EXPECTED = {bool: "true or false", int: "a whole number", str: "a string", list: "a list",
             dict: "a mapping"}
@@ -94,8 +94,8 @@ def unique(ids: Iterable[str]) -> list[str]:
 # cache dir is searched for kohya, ai-toolkit and OneTrainer layouts; listed once each, a flat
 # cache of a million files costs one listing, not six. A listing keeps the names layouts look
 # for (folders, configs, npz, images), not a flat cache's million `<sha256>.pt` entries.
-KEPT_SUFFIXES = frozenset({".json", ".toml", ".yaml", ".yml", ".env", ".npz", ".png", ".jpg",
-                           ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jxl", ".avif"})
+KEPT_SUFFIXES = frozenset(KINDS) | {".npz", ".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif",
+                                    ".tif", ".tiff", ".jxl", ".avif"}
 _listings: dict[str, tuple[tuple[str, ...], frozenset[str]]] | None = None
 
 
@@ -121,6 +121,11 @@ def listdir(path: str, keep: Callable[[str], object] | None = None) -> list[str]
     """The names in `path` that `keep` accepts, sorted (filtered first: only the few a caller
     wants from a big cache folder are sorted)."""
     return sorted(names(path) if keep is None else filter(keep, names(path)))
+
+
+def ending(*suffixes: str) -> Callable[[str], bool]:
+    """A `keep` for listdir: names ending with one of `suffixes`."""
+    return lambda name: name.endswith(suffixes)
 
 
 def subdirs(path: str, keep: Callable[[str], object] | None = None) -> list[str]:

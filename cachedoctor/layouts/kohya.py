@@ -34,7 +34,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, subdirs, unique
+from cachedoctor.layouts.common import Problems, ending, listdir, subdirs, unique
 from cachedoctor.layouts.entries import (
     Changes,
     Entries,
@@ -86,7 +86,7 @@ def subset_folder(name: str) -> bool:
 
 
 def discover(folder: str) -> list[str]:
-    return [os.path.join(folder, n) for n in listdir(folder, lambda n: n.endswith(".toml"))]
+    return [os.path.join(folder, n) for n in listdir(folder, ending(".toml"))]
 
 
 def flatten(data: dict) -> dict:

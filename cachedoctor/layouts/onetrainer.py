@@ -39,7 +39,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.common import Problems, ending, listdir, typed, working_dir
 from cachedoctor.layouts.entries import (
     Changes,
     Entries,
@@ -79,7 +79,7 @@ def claims(config: ConfigFile) -> bool:
 def discover(folder: str) -> list[str]:
     """Config JSONs at the top of the folder and the user's saved ones in training_presets/
     (OneTrainer's own presets start with '#')."""
-    found = [os.path.join(folder, n) for n in listdir(folder, lambda n: n.endswith(".json"))]
+    found = [os.path.join(folder, n) for n in listdir(folder, ending(".json"))]
     presets = os.path.join(folder, PRESETS)
     found += [os.path.join(presets, n) for n in listdir(presets)
               if n.endswith(".json") and not n.startswith("#")]
