@@ -15,11 +15,13 @@ import dataclasses
 import gc
 import itertools
 import os
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cachedoctor.checks import RULES
+from cachedoctor.checks import checker_error as crash
 from cachedoctor.findings import Finding, Report
 from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
 from cachedoctor.formats.meta import EMPTY, IMAGE, UNKNOWN, FileMeta
@@ -62,7 +64,8 @@ def selected_rules(options: ScanOptions) -> list[Rule]:
 
 
 def read_entry(entry: Entry, deep: bool) -> FileMeta:
-    """The FileMeta of one entry; never raises."""
+    """The FileMeta of one entry. Raises only when a reader has a bug (which the caller makes a
+    CD002 finding of): what is wrong with the file itself is in the FileMeta."""
     if entry.error:
         return FileMeta(entry.path, 0, UNREADABLE, errors=(entry.error,))
     # Images are never cache files, and in an image dir only cache files are worth reading
@@ -74,11 +77,7 @@ def read_entry(entry: Entry, deep: bool) -> FileMeta:
             return FileMeta(entry.path, 0, UNREADABLE, errors=(describe_os_error(exc),))
         fmt = IMAGE if entry.role == IMAGE_ROLE else (EMPTY if st.st_size == 0 else UNKNOWN)
         return FileMeta(entry.path, st.st_size, fmt, mtime=st.st_mtime)
-    try:
-        return read_path(entry.path, deep=deep)
-    except Exception as exc:  # a reader bug must cost one file, not the scan
-        return FileMeta(entry.path, 0, UNREADABLE,
-                        errors=(f"internal error while reading: {type(exc).__name__}: {exc}",))
+    return read_path(entry.path, deep=deep)
 
 
 def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
@@ -91,6 +90,11 @@ def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
     gc.disable()
     try:
         return _check_batch(batch, options, rules, datasets)
+    except Exception as exc:  # outside any one file (the batch's naming): every file is unjudged
+        entries = list(batch.entries(options.exclude))
+        return ChunkResult(len(entries), 0, [crash.failed(e.path, "preparing its directory", exc,
+                                                          e.dataset) for e in entries],
+                           [], [e.path for e in entries] if options.keep_paths else [], [])
     finally:
         if collecting:
             gc.enable()
@@ -128,7 +132,7 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
     paths: list[str] = []
     coverage: list[CoverageRow] = []
     nbytes = files = 0
-    checks = [r.check_file for r in rules if r.check_file is not None]
+    checks = [(r.code, r.check_file) for r in rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
     naming = (dataset.naming if dataset else FOLDERS).directory(batch.directory, batch.bucket,
@@ -140,16 +144,26 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
         files += 1
         if options.keep_paths:
             paths.append(entry.path)
-        meta = read_entry(entry, deep)
+        # A reader or rule that raises costs that file a CD002 finding, never the scan.
+        try:
+            meta = read_entry(entry, deep)
+        except Exception as exc:
+            findings.append(crash.failed(entry.path, "reading it", exc, entry.dataset))
+            meta = FileMeta(entry.path, 0, UNREADABLE, errors=("not read",))
+            crashed = True
+        else:
+            crashed = False
         nbytes += meta.size
         same = meta.same_as
         verdict = None
-        if same is not None and entry.role in SHARED_ROLES:
+        if crashed:
+            pass
+        elif same is not None and entry.role in SHARED_ROLES:
             seen = (id(same), meta.compression, entry.role, entry.area, entry.dataset, entry.bucket)
             verdict = _verdicts.get(seen)
             if verdict is None or verdict.same is not same:
                 verdict = _Verdict(same, _run(checks, meta, entry, deep, settings, dataset),
-                                   content(entry.role, meta))
+                                   _content(entry.role, meta))
                 if len(_verdicts) >= MAX_VERDICTS:
                     _verdicts.clear()
                 _verdicts[seen] = verdict
@@ -158,31 +172,71 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                                 else dataclasses.replace(found, path=meta.path))
         else:
             findings.extend(_run(checks, meta, entry, deep, settings, dataset))
-        facts = None
-        if entry.error is None:
-            if entry.role == IMAGE_ROLE:
-                image = naming.image(entry.path[cut:])
-                if image is not None:
-                    coverage.append((key, IMAGE_SIDE, image[0], entry.path, meta.mtime,
-                                     int(image[1]), None))
-            elif entry.role == LATENT:
-                facts = naming.cache(entry.path[cut:], meta)
-                if facts.key is not None:
-                    coverage.append((key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0,
-                                     facts.naming))
-        summary = summarize(entry, meta, facts, verdict.content if verdict else None)
+        try:
+            row, summary = _place(entry, meta, naming, cut, key, verdict)
+        except Exception as exc:
+            findings.append(crash.failed(entry.path, "summarizing it", exc, entry.dataset))
+            continue
+        if row is not None:
+            coverage.append(row)
         if summary is not None:
             summaries.append(summary)
-    blobs = [encode(batch.dataset, summaries)] if summaries else []
-    return ChunkResult(files, nbytes, findings, blobs, paths, coverage)
+    return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
+                       paths, coverage)
+
+
+def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
+           verdict: _Verdict | None) -> tuple[CoverageRow | None, object]:
+    """A file's coverage row (the image or cache entry it is) and its summary for the dataset
+    rules."""
+    facts = row = None
+    if entry.error is None:
+        if entry.role == IMAGE_ROLE:
+            image = naming.image(entry.path[cut:])
+            if image is not None:
+                row = (key, IMAGE_SIDE, image[0], entry.path, meta.mtime, int(image[1]), None)
+        elif entry.role == LATENT:
+            facts = naming.cache(entry.path[cut:], meta)
+            if facts.key is not None:
+                row = (key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0, facts.naming)
+    return row, summarize(entry, meta, facts, verdict.content if verdict else None)
+
+
+def _encode(dataset: str | None, summaries: list, findings: list[Finding]) -> list[tuple[str, bytes]]:
+    """The batch's summaries as one blob; if that fails, the summary that fails it is left out
+    (with a CD002 finding for its file) and the others still go."""
+    if not summaries:
+        return []
+    try:
+        return [encode(dataset, summaries)]
+    except Exception:
+        kept = []
+        for summary in summaries:
+            try:
+                encode(dataset, [summary])
+            except Exception as exc:
+                findings.append(crash.failed(summary[0], "summarizing it", exc, dataset))
+            else:
+                kept.append(summary)
+        return [encode(dataset, kept)] if kept else []
+
+
+def _content(role: str, meta: FileMeta) -> Content | None:
+    try:
+        return content(role, meta)
+    except Exception:  # summarize() meets the same failure, and reports it
+        return None
 
 
 def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mapping,
          dataset: Dataset | None) -> list[Finding]:
     ctx = RuleContext(deep, entry.dataset, settings, entry, dataset)
     found = []
-    for check in checks:
-        finding = check(meta, ctx)
+    for code, check in checks:
+        try:
+            finding = check(meta, ctx)
+        except Exception as exc:  # one rule's bug: the other rules still judge the file
+            finding = crash.failed(meta.path, f"running {code}", exc, entry.dataset)
         if finding is not None:
             found.append(finding)
     return found
@@ -273,11 +327,90 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
     # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
     gc.freeze()
     try:
-        with context.Pool(options.jobs, initializer=_init_worker,
-                          initargs=(options, datasets)) as pool:
-            yield from pool.imap_unordered(_check_in_worker, itertools.chain(first, batches_))
+        yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
     finally:
         gc.unfreeze()
+
+
+def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[str, Dataset],
+            context) -> Iterator[ChunkResult]:
+    """The batches through a pool of `options.jobs` workers, a few in flight per worker. A
+    worker that dies (killed for memory, a native crash) breaks the pool: the batches in flight
+    then are read again one file at a time (_isolated), which finds the file that kills, and a
+    fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)"""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    while True:
+        suspects: list[Batch] = []
+        broken = False
+        with ProcessPoolExecutor(options.jobs, mp_context=context, initializer=_init_worker,
+                                 initargs=(options, datasets)) as pool:
+            running = {pool.submit(_check_in_worker, b): b
+                       for b in itertools.islice(batches_, 2 * options.jobs)}
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    batch = running.pop(future)
+                    try:
+                        yield future.result()
+                    except BrokenProcessPool:
+                        broken = True
+                        suspects.append(batch)
+                    except Exception:  # its result would not pickle, say: the pool goes on
+                        suspects.append(batch)
+                if broken:
+                    break
+                for batch in itertools.islice(batches_, len(done)):
+                    running[pool.submit(_check_in_worker, batch)] = batch
+            suspects.extend(running.values())
+        for batch in suspects:
+            yield from _isolated(batch, options, datasets, context)
+        if not broken:
+            return
+
+
+def _singles(batch: Batch) -> list[Batch]:
+    """`batch` as batches of one file each (its listing errors first, together)."""
+    errors = [batch._replace(names=())] if batch.errors else []
+    return errors + [batch._replace(names=(name,), errors=()) for name in batch.names]
+
+
+def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset],
+              context) -> Iterator[ChunkResult]:
+    """`batch` read one file at a time in a child process that reports each file as it is done;
+    when the child dies, the file it was on gets a CD002 finding and a new child goes on with
+    the next."""
+    singles = _singles(batch)
+    start = 0
+    while start < len(singles):
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_one_by_one, args=(send, singles, start, options, datasets),
+                                daemon=True)
+        child.start()
+        send.close()
+        try:
+            while start < len(singles):
+                yield receive.recv()
+                start += 1
+        except (EOFError, OSError, pickle.UnpicklingError):  # the child died on singles[start]
+            child.join()
+            entries = list(singles[start].entries(options.exclude))
+            yield ChunkResult(len(entries), 0,
+                              [crash.died(e.path, child.exitcode, e.dataset) for e in entries],
+                              [], [e.path for e in entries] if options.keep_paths else [], [])
+            start += 1
+        finally:
+            receive.close()
+            child.join()
+
+
+def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,
+                datasets: Mapping[str, Dataset]) -> None:
+    rules = selected_rules(options)
+    for single in singles[start:]:
+        send.send(check_batch(single, options, rules, datasets))
+    send.close()
 
 
 def count_files(layouts: Iterable[Layout], options: ScanOptions) -> int:
@@ -326,8 +459,22 @@ def check_layouts(layouts: list[Layout], options: ScanOptions, rules: list[Rule]
     findings: list[Finding] = []
     for rule in rules:
         if rule.check_layouts is not None:
-            findings.extend(rule.check_layouts(layouts, ctx))
+            where = next((lay.source for lay in layouts if lay.source), None) or \
+                next((d for lay in layouts for ds in lay.datasets for d in ds.cache_dirs), ".")
+            _gather(findings, rule.check_layouts, (layouts, ctx), rule.code, where, None, "configs")
     return findings
+
+
+def _gather(findings: list[Finding], check: Callable[..., Iterable[Finding]], args: tuple,
+            code: str, where: str, dataset: str | None, what: str) -> None:
+    """The findings of one rule over a dataset or the configs; if the rule raises, those it
+    made before and a CD002 finding for `where` (the other rules still run)."""
+    try:
+        for finding in check(*args):
+            findings.append(finding)
+    except Exception as exc:
+        findings.append(crash.failed(where, f"running {code} over the {what}", exc, dataset,
+                                     what="dataset" if what == "dataset" else "config"))
 
 
 def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule],
@@ -340,18 +487,23 @@ def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule],
         view = store.view(dataset)
         ctx = RuleContext(options.deep, dataset or None, options.settings, None,
                           datasets.get(dataset))
+        facts = datasets.get(dataset)
+        where = (facts.cache_dirs[0] if facts is not None and facts.cache_dirs else None) or \
+            os.path.abspath(dataset or ".")
         for rule in rules:
             if rule.check_dataset is not None:
-                findings.extend(rule.check_dataset(view, ctx))
+                _gather(findings, rule.check_dataset, (view, ctx), rule.code, where,
+                        dataset or None, "dataset")
     return findings
 
 
 def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list[Finding],
                  files: int, nbytes: int, options: ScanOptions,
                  paths: Iterable[str] = ()) -> Report:
+    crashes = options.enabled(crash.RULE.code)  # CD002 is made here, not by a rule: it obeys too
     return Report.build(
         targets,
-        [_with_severity(f, options) for f in findings],
+        [_with_severity(f, options) for f in findings if crashes or f.code != crash.RULE.code],
         files,
         nbytes,
         datasets=[d.id for lay in layouts for d in lay.datasets],

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from types import MappingProxyType
 from typing import Any
+
+from cachedoctor.units import BIG_DIGITS, number
 
 
 class Severity(IntEnum):
@@ -27,7 +31,47 @@ class Severity(IntEnum):
 
 
 def _frozen(details: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return MappingProxyType(dict(details or {}))
+    return MappingProxyType({k: _bounded_value(v) for k, v in (details or {}).items()})
+
+
+# Every finding is bounded where it is made, whatever rule or reader made it: a hostile header
+# can hold a 4,000-digit shape, and a report line must stay a line.
+MAX_MESSAGE = 1000  # characters of a message
+MAX_DETAIL_TEXT = 8192  # characters of one string in details (a path may be 4,096 bytes)
+# a run of digits, or a number grouped by thousands ("159,999,...,984")
+_DIGIT_RUN = re.compile(rf"\d{{{BIG_DIGITS + 1},}}|\d{{1,3}}(?:,\d{{3}}){{{BIG_DIGITS // 3},}}(?!\d)")
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE) -> str:
+    """`text` with every run of more than BIG_DIGITS digits written as 'a 400-digit number',
+    cut to `limit` characters ('... (1,234 more characters)')."""
+    if not isinstance(text, str):
+        text = str(text)
+    if len(text) > BIG_DIGITS:
+        text = _DIGIT_RUN.sub(_digit_count, text)
+    if len(text) > limit:
+        cut = limit - 40
+        text = f"{text[:cut]}... ({len(text) - cut:,} more characters)"
+    return text
+
+
+def _digit_count(match: re.Match) -> str:
+    return f"a {len(match.group().replace(',', '')):,}-digit number"
+
+
+def _bounded_value(value: Any) -> Any:
+    """Details as they may be kept: a number too long to print (or to write as JSON: Python
+    refuses str() past 4,300 digits) becomes its description, a long string is cut. Lists stay
+    whole: repair reads some (CD502's files)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if -(10 ** BIG_DIGITS) < value < 10 ** BIG_DIGITS else number(value)
+    if isinstance(value, str):
+        return value if len(value) <= MAX_DETAIL_TEXT else bounded(value, MAX_DETAIL_TEXT)
+    if type(value) in (list, tuple):
+        return type(value)(map(_bounded_value, value))
+    if isinstance(value, Mapping):
+        return {k: _bounded_value(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +88,10 @@ class Finding:
     fix: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.details, MappingProxyType):
+        message = bounded(self.message)
+        if message is not self.message:
+            object.__setattr__(self, "message", message)
+        if not isinstance(self.details, MappingProxyType):  # a copy of a finding is bounded
             object.__setattr__(self, "details", _frozen(self.details))
 
     def __reduce__(self):
@@ -107,6 +154,14 @@ def display_path(path: str, cwd: str | None = None) -> str:
     return printable(path)
 
 
+def wasted(finding: Finding) -> int:
+    """The bytes a finding says could be reclaimed (0 when it says none, or no number)."""
+    value = finding.details.get("wasted_bytes", 0)
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) else 0
+    return value if isinstance(value, int) else 0
+
+
 @dataclass(frozen=True)
 class Report:
     """What one scan found. Findings are sorted by dataset, code and path."""
@@ -136,7 +191,7 @@ class Report:
 
     @property
     def reclaimable_bytes(self) -> int:
-        return sum(int(f.details.get("wasted_bytes", 0)) for f in self.findings)
+        return sum(wasted(f) for f in self.findings)
 
     def fails(self, fail_on: str) -> bool:
         """True when a finding is at or above `fail_on` (`never` never fails)."""

@@ -28,3 +28,30 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 def shape_text(shape: tuple[int, ...] | None) -> str:
     """(4, 64, 64) -> '[4, 64, 64]'."""
     return "[?]" if shape is None else "[" + ", ".join(map(str, shape)) + "]"
+
+
+def digits(n: int) -> int:
+    """How many decimal digits `n` has, without str(n): past 4,300 digits Python refuses that
+    conversion (sys.set_int_max_str_digits), and a hostile header can hold such a number."""
+    bits = abs(n).bit_length()
+    if bits <= 64:
+        return len(str(abs(n)))
+    estimate = int(bits * 0.30102999566398120) + 1  # log10(2): exact or one too many
+    return estimate - 1 if abs(n) < 10 ** (estimate - 1) else estimate
+
+
+BIG_DIGITS = 30  # a number with more digits than this is shown by its length
+
+
+def number(n: int) -> str:
+    """An integer as text, bounded: 12345 -> '12345', a 4,000-digit one -> 'a 4,000-digit number'."""
+    size = digits(n)
+    if size <= BIG_DIGITS:
+        return str(n)
+    return f"a {'negative ' if n < 0 else ''}{size:,}-digit number"
+
+
+def listing(items: list | tuple, limit: int = 10) -> str:
+    """Items as 'a, b, c', at most `limit` of them: 'a, b, c (and 812 more)'."""
+    shown = ", ".join(map(str, items[:limit]))
+    return shown if len(items) <= limit else f"{shown} (and {len(items) - limit:,} more)"

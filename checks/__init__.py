@@ -8,6 +8,7 @@ from __future__ import annotations
 from cachedoctor.checks import (
     bucket_shape_mismatch,
     cache_name_collision,
+    checker_error,
     checksum_mismatch,
     clear_each_epoch_multi_process,
     empty_file,
@@ -38,6 +39,7 @@ RULES: dict[str, Rule] = {
     module.RULE.code: module.RULE
     for module in (
         io_error,
+        checker_error,
         unreadable_archive,
         empty_file,
         checksum_mismatch,

@@ -12,6 +12,7 @@ import shlex
 from typing import TextIO
 
 from cachedoctor.findings import Finding, Report, Severity, display_path, printable
+from cachedoctor.findings import wasted as wasted_bytes
 from cachedoctor.units import count, human_bytes
 
 STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -79,7 +80,7 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
         what = first.message
         if len(group) > 1:
             place += f" (+{len(group) - 1})"
-            wasted = sum(int(f.details.get("wasted_bytes", 0)) for f in group)
+            wasted = sum(map(wasted_bytes, group))
             if wasted:
                 what += f"; {human_bytes(wasted)} wasted in {len(group):,} files"
             else:
