@@ -61,12 +61,14 @@ def _digit_count(match: re.Match) -> str:
 
 def _bounded_value(value: Any) -> Any:
     """Details as they may be kept: a number too long to print (or to write as JSON: Python
-    refuses str() past 4,300 digits) becomes its description, a long string is cut. Lists stay
-    whole: repair reads some (CD502's files)."""
+    refuses str() past 4,300 digits) becomes its description, in a string too, and a long
+    string is cut. Lists stay whole: repair reads some (CD502's files)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value if -(10 ** BIG_DIGITS) < value < 10 ** BIG_DIGITS else number(value)
-    if isinstance(value, str):
-        return value if len(value) <= MAX_DETAIL_TEXT else bounded(value, MAX_DETAIL_TEXT)
+    if isinstance(value, str):  # paths (absolute) stay as they are: repair uses them
+        if value.startswith(os.sep) and len(value) <= MAX_DETAIL_TEXT:
+            return value
+        return bounded(value, MAX_DETAIL_TEXT) if len(value) > BIG_DIGITS else value
     if type(value) in (list, tuple):
         return type(value)(map(_bounded_value, value))
     if isinstance(value, Mapping):
