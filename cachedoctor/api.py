@@ -100,7 +100,7 @@ def _scan(targets: tuple[str, ...], policy: configuration.Policy) -> Report:
     from cachedoctor.baseline import Baseline
 
     baseline = Baseline.load(policy.baseline) if policy.baseline else None
-    report = engine.scan(targets, policy.options)
+    report = dataclasses.replace(engine.scan(targets, policy.options), policy=policy.applied)
     return baseline.apply(report).report if baseline else report
 
 
@@ -192,5 +192,6 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | Non
         merged.store.add_coverage(coverage)
         merged.files += rank_files
         merged.bytes += rank_bytes
-    report = engine.conclude(targets, layouts, policy.options, rules, merged)
+    report = dataclasses.replace(engine.conclude(targets, layouts, policy.options, rules, merged),
+                                 policy=policy.applied)
     return (baseline.apply(report).report if baseline else report), policy

@@ -116,6 +116,8 @@ def scan(
     finally:
         if progress:
             progress.stop()
+    report = dataclasses.replace(report, policy=policy.applied)
+    _policy_lines(policy.applied, detail=fmt == "text")
     if write_baseline is not None:
         try:
             count = baselines.write(report, str(write_baseline))
@@ -130,6 +132,15 @@ def scan(
                        f"not shown, {result.fixed:,} of its entries no longer found", err=True)
     _emit(report, chosen, output, verbose)
     raise typer.Exit(0 if write_baseline is not None else report.exit_code(policy.fail_on))
+
+
+def _policy_lines(applied, detail: bool) -> None:
+    """On stderr: a warning per guard rule (CD105, CD002) switched off; with `detail`, which
+    config applied and what it switched off (JSON and SARIF carry that in the report)."""
+    if detail and (applied.configs or applied.disabled):
+        typer.echo(f"cachedoctor: {applied.summary()}", err=True)
+    for warning in applied.warnings:
+        typer.echo(f"cachedoctor: warning: {warning}", err=True)
 
 
 def _config_args(values: list[str]) -> tuple[str | None, list]:
@@ -172,10 +183,12 @@ def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
 
     _check_jobs(jobs)
     try:
-        return resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
-                              jobs=jobs, source="command line").options
+        policy = resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
+                                jobs=jobs, source="command line")
     except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
+    _policy_lines(policy.applied, detail=True)
+    return policy.options
 
 
 class _Progress:

@@ -26,7 +26,9 @@ is a ConfigError naming the file and the key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shlex
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from cachedoctor.applied import AppliedPolicy
 from cachedoctor.findings import Severity
 from cachedoctor.options import ScanOptions, Selection, resolve_selection
 
@@ -64,6 +67,7 @@ class Config:
     baseline: str | None = None  # absolute path
     severity: Mapping[str, Severity] = field(default_factory=_frozen)
     rules: Mapping[str, Mapping[str, Any]] = field(default_factory=_frozen)
+    source: str = ""  # what reports call this layer: a file, `--config '...'`, "command line"
 
     def over(self, lower: Config) -> Config:
         """This layer on top of `lower`."""
@@ -88,6 +92,7 @@ class Policy:
     options: ScanOptions
     fail_on: str = "error"
     baseline: str | None = None
+    applied: AppliedPolicy = field(default_factory=AppliedPolicy)  # config layers, rules off
 
 
 def find(start: str | os.PathLike | None = None) -> Path | None:
@@ -121,7 +126,8 @@ def load(path: str | os.PathLike) -> Config:
         table = data.get("tool", {}).get("cachedoctor")
         if table is None:
             raise ConfigError(f"{path}: no [tool.cachedoctor] table")
-        return parse(table, str(path), "tool.cachedoctor.", str(path.parent))
+        return dataclasses.replace(parse(table, str(path), "tool.cachedoctor.", str(path.parent)),
+                                   source=f"{path} [tool.cachedoctor]")
     return parse(data, str(path), "", str(path.parent))
 
 
@@ -141,10 +147,11 @@ def parse(table: Any, source: str, prefix: str = "", base: str | None = None) ->
     unknown = [k for k in table if k not in KEYS]
     if unknown:
         raise error(unknown[0], f"unknown key (known: {', '.join(KEYS)})")
+    levels, off = _severity(table.get("severity", {}), error)
     selection = Selection(
         select=_selectors(table, "select", error) if "select" in table else None,
         extend_select=_selectors(table, "extend-select", error) or (),
-        ignore=_selectors(table, "ignore", error) or (),
+        ignore=(*(_selectors(table, "ignore", error) or ()), *off),
     )
     fail_on = table.get("fail-on")
     if fail_on is not None and fail_on not in FAIL_ON:
@@ -161,8 +168,9 @@ def parse(table: Any, source: str, prefix: str = "", base: str | None = None) ->
         fail_on=fail_on,
         deep=deep,
         baseline=os.path.join(base, os.path.expanduser(baseline)) if baseline else None,
-        severity=MappingProxyType(_severity(table.get("severity", {}), error)),
+        severity=MappingProxyType(levels),
         rules=MappingProxyType(_rule_settings(table.get("rules", {}), error)),
+        source=source,
     )
 
 
@@ -204,16 +212,21 @@ def _rule(code: Any, key: str, error):
     return rule
 
 
-def _severity(table: Any, error) -> dict[str, Severity]:
+def _severity(table: Any, error) -> tuple[dict[str, Severity], tuple[str, ...]]:
+    """The severity overrides, and the codes set to "off" (switched off, as by `ignore`)."""
     if not isinstance(table, dict):
         raise error("severity", f"expected a table of code = severity, got {table!r}")
-    levels = {}
+    levels, off = {}, []
     for code, level in table.items():
         rule = _rule(code, f"severity.{code}", error)
-        if not isinstance(level, str) or level.strip().upper() not in Severity.__members__:
-            raise error(f"severity.{code}", f"expected error, warning or info, got {level!r}")
-        levels[rule.code] = Severity.parse(level)
-    return levels
+        word = level.strip().upper() if isinstance(level, str) else None
+        if word == "OFF":
+            off.append(rule.code)
+        elif word in Severity.__members__:
+            levels[rule.code] = Severity.parse(level)
+        else:
+            raise error(f"severity.{code}", f"expected error, warning, info or off, got {level!r}")
+    return levels, tuple(off)
 
 
 def _rule_settings(table: Any, error) -> dict[str, dict[str, Any]]:
@@ -255,7 +268,7 @@ def override(text: str) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {text!r}: neither a file nor a TOML `KEY = VALUE` "
                           f"({exc})") from None
-    return parse(table, "--config")
+    return dataclasses.replace(parse(table, "--config"), source=f"--config {shlex.quote(text)}")
 
 
 def policy(flags: Config | None = None, *, config: str | os.PathLike | None = None,
@@ -265,11 +278,15 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
     if isolated and config is not None:
         raise ConfigError("--isolated and --config FILE exclude each other")
     path = None if isolated else Path(config) if config is not None else find(cwd)
-    merged = load(path) if path is not None else Config()
-    for layer in (*overrides, flags or Config()):
+    layers = [load(path)] if path is not None else []
+    layers += [*overrides, flags or Config()]
+    merged = Config()
+    for layer in layers:
         merged = layer.over(merged)
     codes = list(_rules())
     enabled = resolve_selection(merged.selection, codes)
+    applied = AppliedPolicy(tuple(layer.source for layer in layers[:-1]),
+                            switched_off(layers, codes), isolated)
     options = ScanOptions(
         deep=bool(merged.deep),
         select=tuple(enabled) or (NOTHING,),
@@ -277,5 +294,25 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
         severity=merged.severity,
         settings=merged.rules,
     )
-    return Policy(options, merged.fail_on or "error", merged.baseline)
+    return Policy(options, merged.fail_on or "error", merged.baseline, applied)
+
+
+def _label(layer: Config) -> str:
+    """A layer as a report names it: its file, its `--config '...'`, or "the command line"."""
+    named = layer.source.startswith("--") or os.path.isabs(layer.source.split(" [")[0])
+    return layer.source if named else f"the {layer.source or 'arguments'}"
+
+
+def switched_off(layers: list[Config], codes: list[str]) -> tuple[tuple[str, str], ...]:
+    """Each code the layers switch off, with the layer that did (the last one to)."""
+    by: dict[str, str] = {}
+    selection: tuple[Selection, ...] = ()
+    before = set(codes)
+    for layer in layers:
+        selection = (*selection, *layer.selection)
+        after = set(resolve_selection(selection, codes))
+        for code in before - after:
+            by[code] = _label(layer)
+        before = after
+    return tuple((code, by[code]) for code in codes if code not in before)
 

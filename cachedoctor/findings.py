@@ -11,6 +11,7 @@ from enum import IntEnum
 from types import MappingProxyType
 from typing import Any
 
+from cachedoctor.applied import AppliedPolicy
 from cachedoctor.units import BIG_DIGITS, number
 
 
@@ -175,6 +176,7 @@ class Report:
     datasets: tuple[str, ...] = ()
     trainers: tuple[str, ...] = ()
     checked: tuple[str, ...] = ()  # every file checked, sorted; only with ScanOptions.keep_paths
+    policy: AppliedPolicy = field(default_factory=AppliedPolicy)  # set by api and the CLI
 
     @classmethod
     def build(cls, targets: Iterable[str], findings: Iterable[Finding], files: int, nbytes: int,

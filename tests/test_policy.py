@@ -186,7 +186,7 @@ def test_exclude_globs_are_relative_to_the_file(tmp_path: Path, monkeypatch) -> 
         ('select = "CD1"', "tool.cachedoctor.select: expected a list of strings"),
         ('ignore = ["CD9"]', "tool.cachedoctor.ignore: 'CD9' is no rule code or prefix"),
         ("deep = 1", "tool.cachedoctor.deep: expected true or false"),
-        ('severity = { CD201 = "fatal" }', "tool.cachedoctor.severity.CD201: expected error, warning or info"),
+        ('severity = { CD201 = "fatal" }', "tool.cachedoctor.severity.CD201: expected error, warning, info or off"),
         ('severity = { CD999 = "error" }', "tool.cachedoctor.severity.CD999: no rule 'CD999'"),
         ('rules.CD201.min-ratio = "2"', "tool.cachedoctor.rules.CD201.min-ratio: expected float"),
         ("rules.CD201.ratio = 2.0", "tool.cachedoctor.rules.CD201.ratio: CD201 has no such setting"),

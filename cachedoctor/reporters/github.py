@@ -24,6 +24,8 @@ def escape_property(text: str) -> str:
 
 def render(report: Report, out: TextIO, *, verbose: bool = False, color: bool = False,
            cwd: str | None = None) -> None:
+    for warning in report.policy.warnings:  # a rule switched off by config, on the run's summary
+        out.write(f"::warning title=cachedoctor config::{escape_data(printable(warning))}\n")
     for f in report.findings:
         where = escape_property(display_path(f.path, cwd))
         message = escape_data(printable(f"{f.name}: {f.message}"))

@@ -20,6 +20,7 @@ def as_dict(report: Report, cwd: str | None = None) -> dict[str, Any]:
             "findings": report.counts,
         },
         "findings": [f.to_dict(cwd) for f in report.findings],
+        "policy": report.policy.to_dict(),
     }
 
 

@@ -53,7 +53,14 @@ def render(report: Report, out: TextIO, *, verbose: bool = False, color: bool = 
     counts = {"tests": str(len(cases)), "failures": str(failed), "errors": "0", "skipped": "0"}
     root = ET.Element("testsuites", name="cachedoctor", **counts)
     suite = ET.SubElement(root, "testsuite", name="cachedoctor scan", **counts)
+    properties = ET.SubElement(suite, "properties")  # the policy the scan ran under
+    ET.SubElement(properties, "property", name="cachedoctor.policy",
+                  value=xml_text(report.policy.summary()))
+    for warning in report.policy.warnings:
+        ET.SubElement(properties, "property", name="cachedoctor.warning", value=xml_text(warning))
     suite.extend(cases)
+    if report.policy.warnings:
+        ET.SubElement(suite, "system-err").text = xml_text("\n".join(report.policy.warnings))
     ET.indent(root)
     out.write('<?xml version="1.0" encoding="UTF-8"?>\n')
     out.write(ET.tostring(root, encoding="unicode"))

@@ -68,6 +68,20 @@ def _result(finding: Finding, index: int, cwd: str) -> dict[str, Any]:
     }
 
 
+def _invocation(report: Report) -> dict[str, Any]:
+    """The policy the scan ran under: a configuration notification per guard rule switched off
+    (code scanning shows them on the run), the config layers and rules off as properties."""
+    policy = report.policy
+    notes = [{"level": "warning", "message": {"text": printable(text)},
+              "associatedRule": {"id": code}} for code, text in policy.alerts]
+    return {
+        "executionSuccessful": True,
+        "toolConfigurationNotifications": notes,
+        "properties": {"configs": list(policy.configs), "isolated": policy.isolated,
+                       "disabled": [{"code": code, "by": by} for code, by in policy.disabled]},
+    }
+
+
 def as_dict(report: Report, cwd: str | None = None) -> dict[str, Any]:
     cwd = cwd or os.getcwd()
     rules = list(RULES.values())
@@ -89,6 +103,7 @@ def as_dict(report: Report, cwd: str | None = None) -> dict[str, Any]:
                 "rules": [_rule(rule) for rule in rules],
             }},
             "originalUriBaseIds": {SRCROOT: {"uri": Path(cwd).as_uri().rstrip("/") + "/"}},
+            "invocations": [_invocation(report)],
             "results": [_result(f, index[f.code], cwd) for f in report.findings],
             "columnKind": "unicodeCodePoints",
         }],
