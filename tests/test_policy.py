@@ -211,3 +211,100 @@ def test_bad_inline_override_and_two_config_files(tmp_path: Path, monkeypatch) -
     assert "neither a file nor a TOML" in invoke("scan", ".", "--config", "missing.toml").stderr
     assert "one config file at most" in invoke("scan", ".", "--config", "a.toml", "--config", "b.toml").stderr
     assert "exclude each other" in invoke("scan", ".", "--config", "a.toml", "--isolated").stderr
+
+
+# --- the policy is visible: which config applied, and what it switched off ---------------------
+
+def _poisoned(tmp_path: Path) -> Path:
+    from fixtures import BUILDERS
+
+    cache = tmp_path / "cache"
+    BUILDERS["CD105"](cache, marker=tmp_path / "PAYLOAD_RAN")
+    return cache
+
+
+def _policy(*args: str) -> tuple[dict, str]:
+    result = invoke("scan", "cache", "-j", "1", "--format", "json", *args)
+    return json.loads(result.stdout), result.stderr
+
+
+def test_a_discovered_config_that_hides_cd105_is_named_and_warned_about(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    _poisoned(tmp_path)
+    (tmp_path / "cachedoctor.toml").write_text('ignore = ["CD1"]\n')
+    text = invoke("scan", "cache", "-j", "1")
+    assert text.exit_code == 0 and "CD105" not in text.stdout  # the config hid it ...
+    config = str(tmp_path / "cachedoctor.toml")
+    assert f"cachedoctor: config: {config}; switched off: CD101, CD102" in text.stderr
+    assert (f"cachedoctor: warning: CD105 (unsafe-pickle) is switched off by {config}"
+            in text.stderr)  # ... and says so
+    report, _ = _policy()
+    assert report["version"] == 1 and report["findings"] == []
+    assert report["policy"]["configs"] == [config] and report["policy"]["isolated"] is False
+    assert {"code": "CD105", "by": config} in report["policy"]["disabled"]
+    assert [w.split(" ", 1)[0] for w in report["policy"]["warnings"]] == ["CD105"]
+    sarif = json.loads(invoke("scan", "cache", "-j", "1", "--format", "sarif").stdout)
+    [invocation] = sarif["runs"][0]["invocations"]
+    assert invocation["executionSuccessful"] is True
+    [note] = invocation["toolConfigurationNotifications"]
+    assert note["level"] == "warning" and note["associatedRule"] == {"id": "CD105"}
+    assert invocation["properties"]["configs"] == [config]
+    github = invoke("scan", "cache", "-j", "1", "--format", "github").stdout
+    assert github.startswith("::warning title=cachedoctor config::CD105 (unsafe-pickle)")
+    junit = invoke("scan", "cache", "-j", "1", "--format", "junit").stdout
+    assert 'name="cachedoctor.warning" value="CD105 (unsafe-pickle)' in junit
+    isolated, stderr = _policy("--isolated")  # what the README recommends for foreign caches
+    assert [f["code"] for f in isolated["findings"]] == ["CD105"] and stderr == ""
+    assert isolated["policy"] == {"configs": [], "isolated": True, "disabled": [],
+                                  "warnings": []}
+
+
+@pytest.mark.parametrize(("args", "by"), [
+    (("--config", 'ignore = ["CD"]'), "--config 'ignore = [\"CD\"]'"),
+    (("--config", 'severity.CD105 = "off"'), "--config 'severity.CD105 = \"off\"'"),
+    (("--config", 'select = ["CD2"]'), "--config 'select = [\"CD2\"]'"),
+    (("--ignore", "CD10"), "the command line"),
+])
+def test_every_way_of_switching_cd105_off_warns(args: tuple[str, ...], by: str, tmp_path: Path,
+                                                monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _cache(tmp_path)
+    report, stderr = _policy("--isolated", *args)
+    assert {"code": "CD105", "by": by} in report["policy"]["disabled"]
+    assert f"cachedoctor: warning: CD105 (unsafe-pickle) is switched off by {by}" in stderr
+    if args[0] == "--config":
+        assert report["policy"]["configs"] == [by]
+
+
+def test_a_rule_switched_back_on_is_not_reported_off(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _cache(tmp_path)
+    path = _pyproject(tmp_path, 'ignore = ["CD1"]')
+    report, stderr = _policy("--extend-select", "CD105")
+    assert report["policy"]["configs"] == [f"{path} [tool.cachedoctor]"]
+    disabled = [d["code"] for d in report["policy"]["disabled"]]
+    assert "CD105" not in disabled and "CD101" in disabled
+    assert "warning" not in stderr and report["policy"]["warnings"] == []
+
+
+def test_the_api_report_carries_the_policy(tmp_path: Path, monkeypatch) -> None:
+    import cachedoctor
+
+    monkeypatch.chdir(tmp_path)
+    cache = _cache(tmp_path, "error")
+    (tmp_path / "cachedoctor.toml").write_text('severity = { CD002 = "off" }\n')
+    report = cachedoctor.scan(cache, jobs=1)
+    assert report.policy.configs == (str(tmp_path / "cachedoctor.toml"),)
+    assert report.policy.disabled == (("CD002", str(tmp_path / "cachedoctor.toml")),)
+    assert report.policy.warnings[0].startswith("CD002 (checker-error) is switched off")
+    assert cachedoctor.scan(cache, jobs=1, isolated=True).policy.disabled == ()
+
+
+def test_fix_prints_the_policy_it_runs_under(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _cache(tmp_path, "error")
+    (tmp_path / "cachedoctor.toml").write_text('ignore = ["CD105"]\n')
+    result = invoke("fix", "cache", "--dry-run")
+    assert "cachedoctor: warning: CD105 (unsafe-pickle) is switched off by" in result.stderr
