@@ -45,8 +45,9 @@ def describe(exc: BaseException) -> str:
 def failed(path: str, while_: str, exc: BaseException, dataset: str | None = None,
            what: str = "file") -> Finding:
     """The finding for a failure `while_` checking `path` ("while reading it")."""
+    judged = "that rule did not judge it" if while_.startswith("running") else "it was not judged"
     return _finding(path, f"cachedoctor failed on this {what} while {while_} (a cachedoctor bug: "
-                          f"{describe(exc)}); it was not judged", dataset,
+                          f"{describe(exc)}); {judged}", dataset,
                     stage=while_, exception=type(exc).__name__)
 
 

@@ -1,7 +1,8 @@
 """One rank of tests/test_preflight_distributed.py: `python preflight_rank.py RANK WORLD STORE
 CACHE OUT`. Joins a gloo group through a file store, runs `cachedoctor.preflight` twice and
 writes what it saw to OUT as JSON: the verdict, the findings, the files this rank read; then
-the error of a second preflight in which rank 1 fails inside its share of the files."""
+the error of a second preflight in which rank 1 fails inside its share of the files, and the
+findings of a third in which the reader raises on one file."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main(rank: int, world: int, store: str, cache: str, out: str) -> None:
     seen["read"] = read
     engine.read_entry = real_read
 
+    real_check_all_files = engine.check_all_files
     if rank == 1:
         def dying_disk(*args, **kwargs):
             raise OSError(5, "Input/output error")
@@ -44,6 +46,20 @@ def main(rank: int, world: int, store: str, cache: str, out: str) -> None:
         seen["failure"] = None
     except Exception as exc:
         seen["failure"] = [type(exc).__name__, str(exc), getattr(exc, "__notes__", [])]
+    engine.check_all_files = real_check_all_files
+
+    def buggy_reader(entry, deep):  # on whichever rank reads it: a finding, not an error
+        if entry.path.endswith("empty_file.pt"):
+            raise OverflowError("int too large to convert")
+        return real_read(entry, deep)
+
+    engine.read_entry = buggy_reader
+    try:
+        cachedoctor.preflight(cache, jobs=1, isolated=True)
+        seen["buggy"] = None
+    except cachedoctor.CacheProblems as exc:
+        seen["buggy"] = [(f.code, f.path, f.message) for f in exc.report.findings]
+    engine.read_entry = real_read
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump(seen, f)

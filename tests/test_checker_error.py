@@ -215,3 +215,30 @@ def test_json_reports_a_finding_made_elsewhere_with_a_huge_number() -> None:
                       details={"stride": 10 ** 400})
     out = json_reporter.as_dict(Report.build(["/c"], [finding], 1, 1))
     assert out["findings"][0]["details"] == {"stride": "a 401-digit number"}
+
+
+def test_a_stride_of_ten_to_the_400_beside_a_poisoned_file(cache: Path, tmp_path: Path) -> None:
+    """issue #11: a real torch.save whose pickled stride is made 10**400 (a LONG1 in place of
+    the first BININT1), zipped again with the other entries as they were."""
+    import zipfile
+
+    torch.save(torch.zeros(4, 8, 8), tmp_path / "whole.pt")
+    with zipfile.ZipFile(tmp_path / "whole.pt") as whole:
+        infos = whole.infolist()
+        entries = {info.filename: whole.read(info) for info in infos}
+    pkl = next(name for name in entries if name.endswith("/data.pkl"))
+    big = 10 ** 400
+    raw = big.to_bytes((big.bit_length() + 8) // 8, "little", signed=True)
+    assert entries[pkl].count(b"K@K\x08K\x01\x87") == 1  # the (64, 8, 1) stride tuple
+    entries[pkl] = entries[pkl].replace(b"K@", b"\x8a" + bytes([len(raw)]) + raw, 1)
+    with zipfile.ZipFile(cache / "stride.pt", "w") as out:
+        for info in infos:
+            out.writestr(info, entries[info.filename])
+    evil = _evil(cache, tmp_path)
+    result = run_cli("scan", "--isolated", "--format", "json", "-j", "1", str(cache), cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    findings = json.loads(result.stdout)["findings"]
+    assert {f["path"] for f in findings} == {"cache/stride.pt", "cache/unsafe_pickle.pt"}
+    assert all(len(f["message"]) <= MAX_MESSAGE and "0" * 40 not in json.dumps(f)
+               for f in findings)
+    assert [f["path"] for f in findings if f["code"] == "CD105"] == [f"cache/{evil.name}"]

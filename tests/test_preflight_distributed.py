@@ -65,6 +65,15 @@ def test_a_rank_that_fails_makes_every_rank_raise_its_error(ranks) -> None:
     assert notes == ["cachedoctor.preflight: raised on rank 1 of 2"]
 
 
+def test_a_reader_bug_on_one_rank_is_a_finding_every_rank_reports(ranks) -> None:
+    cache, (rank0, rank1) = ranks
+    assert rank0["buggy"] == rank1["buggy"]
+    found = {(code, Path(path).relative_to(cache).as_posix()) for code, path, _ in rank0["buggy"]}
+    assert found == {("CD002", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"), ("CD502", ".")}
+    [message] = [m for code, _, m in rank0["buggy"] if code == "CD002"]
+    assert "OverflowError: int too large to convert" in message
+
+
 def test_sharded_preflight_of_a_trainer_project_equals_the_local_scan(tmp_path: Path) -> None:
     """Coverage (CD404/CD405/CD406) and config rules (CD403) need every rank's rows."""
     from cachedoctor.fixtures.projects import simpletuner
