@@ -28,10 +28,12 @@ class AppliedPolicy:
 
     @property
     def alerts(self) -> tuple[tuple[str, str], ...]:
-        """(code, one line) per guard rule switched off."""
+        """(code, one line) per guard rule a config switched off. A flag or keyword argument
+        that does is not alerted on: whoever typed it knows; a config file may come with a
+        cache, or sit in a parent directory, unseen."""
         return tuple((code, f"{code} ({GUARDS[code][0]}) is switched off by {by}: "
                             f"{GUARDS[code][1]}")
-                     for code, by in self.disabled if code in GUARDS)
+                     for code, by in self.disabled if code in GUARDS and by in self.configs)
 
     @property
     def warnings(self) -> tuple[str, ...]:

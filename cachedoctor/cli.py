@@ -135,9 +135,9 @@ def scan(
 
 
 def _policy_lines(applied, detail: bool) -> None:
-    """On stderr: a warning per guard rule (CD105, CD002) switched off; with `detail`, which
-    config applied and what it switched off (JSON and SARIF carry that in the report)."""
-    if detail and (applied.configs or applied.disabled):
+    """On stderr: a warning per guard rule (CD105, CD002) a config switched off; with `detail`,
+    which configs applied and what is switched off (JSON and SARIF carry that in the report)."""
+    if detail and applied.configs:
         typer.echo(f"cachedoctor: {applied.summary()}", err=True)
     for warning in applied.warnings:
         typer.echo(f"cachedoctor: warning: {warning}", err=True)

@@ -265,17 +265,36 @@ def test_a_discovered_config_that_hides_cd105_is_named_and_warned_about(tmp_path
     (("--config", 'ignore = ["CD"]'), "--config 'ignore = [\"CD\"]'"),
     (("--config", 'severity.CD105 = "off"'), "--config 'severity.CD105 = \"off\"'"),
     (("--config", 'select = ["CD2"]'), "--config 'select = [\"CD2\"]'"),
-    (("--ignore", "CD10"), "the command line"),
 ])
-def test_every_way_of_switching_cd105_off_warns(args: tuple[str, ...], by: str, tmp_path: Path,
-                                                monkeypatch) -> None:
+def test_every_way_a_config_switches_cd105_off_warns(args: tuple[str, ...], by: str,
+                                                     tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     _cache(tmp_path)
     report, stderr = _policy("--isolated", *args)
     assert {"code": "CD105", "by": by} in report["policy"]["disabled"]
     assert f"cachedoctor: warning: CD105 (unsafe-pickle) is switched off by {by}" in stderr
-    if args[0] == "--config":
-        assert report["policy"]["configs"] == [by]
+    assert report["policy"]["configs"] == [by]
+
+
+def test_a_flag_that_switches_cd105_off_is_recorded_not_warned_about(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _cache(tmp_path)
+    report, stderr = _policy("--isolated", "--ignore", "CD10")
+    assert {"code": "CD105", "by": "the command line"} in report["policy"]["disabled"]
+    assert report["policy"]["warnings"] == [] and stderr == ""
+
+
+def test_a_named_config_file_is_named(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _cache(tmp_path)
+    (tmp_path / "ci.toml").write_text('select = ["CD2"]\n')
+    report, _ = _policy("--config", "ci.toml")
+    path = str(tmp_path / "ci.toml")
+    assert report["policy"]["configs"] == [path]
+    assert [w.split(" ", 1)[0] for w in report["policy"]["warnings"]] == ["CD002", "CD105"]
+    assert f"cachedoctor: config: {path}; switched off: CD001, CD002" in invoke(
+        "scan", "cache", "-j", "1", "--config", "ci.toml").stderr
 
 
 def test_a_rule_switched_back_on_is_not_reported_off(tmp_path: Path, monkeypatch) -> None:
