@@ -7,6 +7,9 @@ as area "cache" and its image dirs as area "images" (images are only stat'ed, fo
 a dataset's Naming (from its layout) gives each file its coverage key, bucket and expected
 latent size in the worker. Layout rules run once over the configs, dataset rules once the
 files are read.
+
+No input aborts a run: a reader or a rule that raises gives its file (dataset, config) a CD002
+finding and the others go on, and a worker that dies costs only the file it died on (_pooled).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from cachedoctor.summary import (
     LISTED_SIDE,
     Content,
     CoverageRow,
+    FileSummary,
     SummaryStore,
     content,
     encode,
@@ -157,7 +161,7 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
         same = meta.same_as
         verdict = None
         if crashed:
-            pass
+            pass  # its CD002 is its verdict: the rules would only judge the stand-in FileMeta
         elif same is not None and entry.role in SHARED_ROLES:
             seen = (id(same), meta.compression, entry.role, entry.area, entry.dataset, entry.bucket)
             verdict = _verdicts.get(seen)
@@ -186,7 +190,7 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
 
 
 def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
-           verdict: _Verdict | None) -> tuple[CoverageRow | None, object]:
+           verdict: _Verdict | None) -> tuple[CoverageRow | None, FileSummary | None]:
     """A file's coverage row (the image or cache entry it is) and its summary for the dataset
     rules."""
     facts = row = None
@@ -202,7 +206,8 @@ def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
     return row, summarize(entry, meta, facts, verdict.content if verdict else None)
 
 
-def _encode(dataset: str | None, summaries: list, findings: list[Finding]) -> list[tuple[str, bytes]]:
+def _encode(dataset: str | None, summaries: list[FileSummary],
+            findings: list[Finding]) -> list[tuple[str, bytes]]:
     """The batch's summaries as one blob; if that fails, the summary that fails it is left out
     (with a CD002 finding for its file) and the others still go."""
     if not summaries:
