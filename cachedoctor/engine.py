@@ -254,7 +254,16 @@ _worker_state: tuple[ScanOptions, list[Rule], Mapping[str, Dataset]] | None = No
 
 def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset]) -> None:
     global _worker_state
+    _quiet_on_interrupt()
     _worker_state = (options, selected_rules(options), datasets)
+
+
+def _quiet_on_interrupt() -> None:
+    """Ctrl-C reaches every process of the terminal's group: the main process stops the scan;
+    a worker left to raise KeyboardInterrupt would print its traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _check_in_worker(batch: Batch) -> ChunkResult:
@@ -412,6 +421,7 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
 
 def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,
                 datasets: Mapping[str, Dataset]) -> None:
+    _quiet_on_interrupt()
     rules = selected_rules(options)
     for single in singles[start:]:
         send.send(check_batch(single, options, rules, datasets))
