@@ -242,3 +242,21 @@ def test_a_stride_of_ten_to_the_400_beside_a_poisoned_file(cache: Path, tmp_path
     assert all(len(f["message"]) <= MAX_MESSAGE and "0" * 40 not in json.dumps(f)
                for f in findings)
     assert [f["path"] for f in findings if f["code"] == "CD105"] == [f"cache/{evil.name}"]
+
+
+def test_a_layout_rule_that_raises_costs_that_rule_only(cache: Path, tmp_path: Path,
+                                                        monkeypatch) -> None:
+    clean.build(cache, n=2)
+    evil = _evil(cache, tmp_path)
+    layout_rules = [code for code, rule in RULES.items() if rule.check_layouts is not None]
+
+    def boom(layouts, ctx):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setitem(RULES, layout_rules[0],
+                        dataclasses.replace(RULES[layout_rules[0]], check_layouts=boom))
+    report = scan_paths(cache)
+    [crashed] = by_code(report, "CD002")
+    assert crashed.path == str(cache) and "RecursionError" in crashed.message
+    assert f"running {layout_rules[0]} over the configs" in crashed.message
+    assert [f.path for f in by_code(report, "CD105")] == [str(evil)]
