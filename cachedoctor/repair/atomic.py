@@ -9,6 +9,7 @@ may hold mount points or symlinks to other disks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -55,17 +56,36 @@ def read_file(path: str) -> tuple[bytes, os.stat_result]:
         return f.read(), os.fstat(f.fileno())
 
 
-def write_new(path: str, data: bytes, like: os.stat_result | None = None) -> None:
-    """Write `data` to a file that must not exist yet, with `like`'s permission bits, fsynced."""
+def write_new(path: str, data: bytes, like: os.stat_result | None = None, *,
+              dir_fd: int | None = None) -> None:
+    """Write `data` to a file that must not exist yet (`path` relative to `dir_fd` if given),
+    fsynced. With `like`, the file gets its mode, owner and group (chown where permitted: an
+    EPERM leaves the fixer's) and its access and modification times, so that a trainer
+    comparing image and cache mtimes sees the rewritten entry exactly as fresh as before."""
     mode = (like.st_mode & 0o7777) if like is not None else 0o644
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+        if like is not None:
+            keep_attributes(fd, like)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def keep_attributes(fd: int, like: os.stat_result) -> None:
+    """Give the open file `like`'s owner, group, mode and times (after the last write)."""
+    if (like.st_uid, like.st_gid) != (os.getuid(), os.getgid()):
+        try:
+            os.fchown(fd, like.st_uid, like.st_gid)
+        except PermissionError:
+            with contextlib.suppress(PermissionError):  # a group member may still set the group
+                os.fchown(fd, -1, like.st_gid)
+    os.fchmod(fd, like.st_mode & 0o7777)  # after chown, which clears set-id bits
+    os.utime(fd, ns=(like.st_atime_ns, like.st_mtime_ns))
 
 
 def remove(path: str) -> bool:
@@ -133,6 +153,72 @@ def same_content(a: str, b: str) -> bool:
     except FileNotFoundError:
         return False
     return sha256_file(a) == sha256_file(b)
+
+
+def second_name_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) -> None:
+    """`second_name` by (folder fd, name) at both ends."""
+    try:
+        os.link(name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in NO_LINK:
+            raise
+        _copy_at(src_dir, name, dst_dir, dst_name, part)
+    os.fsync(dst_dir)
+
+
+def move_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) -> None:
+    """`move` by (folder fd, name) at both ends: a swapped parent folder cannot redirect it."""
+    try:
+        os.rename(name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        _copy_at(src_dir, name, dst_dir, dst_name, part)
+        os.fsync(dst_dir)
+        os.unlink(name, dir_fd=src_dir)
+    os.fsync(dst_dir)
+    os.fsync(src_dir)
+
+
+def link_new_at(dir_fd: int, src: str, dst: str) -> None:
+    """`link_new` within one folder fd."""
+    try:
+        os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in NO_LINK:
+            raise
+        try:
+            os.stat(dst, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        else:
+            raise FileExistsError(errno.EEXIST, "file exists", dst) from None
+    else:
+        os.unlink(src, dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def _copy_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) -> None:
+    """Copy (mode, owner and times kept, fsynced) to `part`, then rename it over `dst_name`."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(part, dir_fd=dst_dir)  # ours, from an attempt that died
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
+    try:
+        like = os.fstat(src)
+        out = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=dst_dir)
+        try:
+            while chunk := os.read(src, 1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view):]
+            keep_attributes(out, like)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
+    os.rename(part, dst_name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
 
 
 def _copy(src: str, dst: str, part: str) -> None:

@@ -129,7 +129,10 @@ def undo_in(journal: Journal, run_id: str) -> tuple[int, list[str]]:
         else:
             restored += 1
     journal.set_run_state(run_id, UNDO_INCOMPLETE if conflicts else UNDONE)
-    _prune(os.path.join(state_dir(journal.root), QUARANTINE_DIR, run_id))
+    quarantine = os.path.join(state_dir(journal.root), QUARANTINE_DIR)
+    _prune(os.path.join(quarantine, run_id))
+    with contextlib.suppress(OSError):  # the quarantine dir itself, where no other run uses it
+        os.rmdir(quarantine)
     return restored, conflicts
 
 
