@@ -119,8 +119,7 @@ def _acquire(root: str, deadline: float, command: str) -> None:
         for folder in _ancestors(root):
             fds.append(_flock(folder, fcntl.LOCK_SH, deadline, root))
         fds.append(_flock(root, fcntl.LOCK_EX, deadline, root))
-        os.ftruncate(fds[-1], 0)
-        os.pwrite(fds[-1], f"{os.getpid()} {command}\n".encode() + os.fsencode(root) + b"\n", 0)
+        _note(fds[-1], f"{os.getpid()} {command}\n".encode() + os.fsencode(root) + b"\n")
         in_cache = _in_cache(root, deadline)
         if in_cache is not None:
             fds.append(in_cache)
@@ -147,9 +146,15 @@ def _in_cache(root: str, deadline: float) -> int | None:
             return None  # no .cachedoctor/ (or one we cannot write): the state dir's lock rules
         raise
     _wait_for(fd, fcntl.LOCK_EX, deadline, lambda: LockBusy(root, _describe(_read_fd(fd)[:2])))
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} fix\n".encode(), 0)
+    _note(fd, f"{os.getpid()} fix\n".encode())
     return _InCache(fd)
+
+
+def _note(fd: int, holder: bytes) -> None:
+    """Tell a waiting run who holds the lock; a full disk costs only that message."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder, 0)
 
 
 def _flock(folder: str, mode: int, deadline: float, root: str) -> int:

@@ -24,7 +24,7 @@ from cachedoctor.repair.journal import FAILED, INTERRUPTED, READY, SKIPPED, Jour
 from cachedoctor.repair.plan import COMPACT, QUARANTINE
 from cachedoctor.repair.render import render_result
 
-from conftest import scan_paths
+from conftest import invoke, scan_paths
 
 
 def plan_for(cache: Path):
@@ -197,3 +197,22 @@ def test_a_journal_on_a_full_disk_stops_the_run_and_the_next_fix_recovers(
         [run] = journal.runs()
         assert run.state == INTERRUPTED
     assert path.exists() and tree_digest(cache) == before
+
+
+def test_a_read_only_cache_dir_is_one_line_naming_it_and_nothing_changes(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty_file.build(cache)
+    before = tree_digest(cache)
+    mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):  # root ignores chmod: the file system says no
+        if os.fspath(path).startswith(str(cache)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    result = invoke("fix", str(cache), "--yes")
+    monkeypatch.undo()
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"cachedoctor: error: {cache}/.cachedoctor: Read-only file system"
+    assert tree_digest(cache) == before and os.listdir(cache) == ["empty_file.pt"]
