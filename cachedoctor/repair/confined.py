@@ -24,6 +24,10 @@ class Moved(RepairError):
     """A folder on the way to a planned file is no longer a folder inside the cache."""
 
 
+class Gone(Moved):
+    """A folder on the way is not there at all."""
+
+
 @dataclass(frozen=True)
 class FileId:
     """What a plan saw of a file: the run acts on it only while all four are unchanged."""
@@ -70,7 +74,7 @@ def open_dir(root_fd: int, reldir: str, *, create: bool = False) -> int:
                 child = os.open(part, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
-                    raise Moved(f"{walked}/: the folder is gone") from None
+                    raise Gone(f"{walked}/: the folder is gone") from None
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
                     os.fsync(fd)

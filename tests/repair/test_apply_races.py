@@ -216,3 +216,23 @@ def test_a_read_only_cache_dir_is_one_line_naming_it_and_nothing_changes(
     assert result.exit_code == 2
     assert result.stderr.strip() == f"cachedoctor: error: {cache}/.cachedoctor: Read-only file system"
     assert tree_digest(cache) == before and os.listdir(cache) == ["empty_file.pt"]
+
+
+def test_undo_after_a_folder_was_swapped_for_a_symlink_moves_nothing_outside(tmp_path: Path) -> None:
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    [path] = empty_file.build(cache / "sub")
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "other.pt").write_bytes(b"theirs")
+    result = plan_for(cache).execute()
+    assert [o.state for o in result.outcomes] == ["done"] and not path.exists()
+    (cache / "sub").rename(cache / "sub_moved")
+    (cache / "sub").symlink_to(outside / "sub", target_is_directory=True)
+    outside_before = tree_digest(outside)
+
+    [undone] = undo_run(result.run_id, [str(cache)])
+
+    assert tree_digest(outside) == outside_before
+    assert undone.restored == 0
+    [conflict] = undone.conflicts
+    assert "sub/ is now a symlink" in conflict and "the original is kept at" in conflict
+    assert not (cache / "sub_moved" / path.name).exists()
