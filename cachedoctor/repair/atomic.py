@@ -4,7 +4,9 @@ New content goes to a temp file in the target's dir, is fsynced, and only then r
 place; every rename, link and unlink is followed by an fsync of the dirs it changed. A second
 name for a file (the quarantine's copy of an original) is a hard link where the file system
 allows one, else a verified copy: `rename` and `link` cannot cross file systems, and a cache dir
-may hold mount points or symlinks to other disks.
+may hold mount points or symlinks to other disks. Renames, links and unlinks name their files by
+(folder descriptor, name), the folders opened by confined.py: a folder swapped for a symlink
+after it was opened cannot redirect them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import shutil
 
 # link() fails with these where the file system cannot give a file a second name here.
 NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -27,33 +28,8 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def ensure_dir(path: str) -> None:
-    """Create `path` and its missing parents, each made durable in its parent."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for new in reversed(missing):
-        try:
-            os.mkdir(new)
-        except FileExistsError:
-            continue
-        fsync_dir(os.path.dirname(new))
-
-
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def read_file(path: str) -> tuple[bytes, os.stat_result]:
-    """A file's bytes and the fstat of the descriptor they were read through."""
-    with open(path, "rb") as f:
-        return f.read(), os.fstat(f.fileno())
 
 
 def write_new(path: str, data: bytes, like: os.stat_result | None = None, *,
@@ -88,75 +64,10 @@ def keep_attributes(fd: int, like: os.stat_result) -> None:
     os.utime(fd, ns=(like.st_atime_ns, like.st_mtime_ns))
 
 
-def remove(path: str) -> bool:
-    """Unlink `path` if it is there, durably; True if it was."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    fsync_dir(os.path.dirname(path))
-    return True
-
-
-def second_name(src: str, dst: str, part: str) -> None:
-    """Give `src`'s content the durable name `dst` and keep `src`: a hard link, or a copy
-    (through `part`, with `src`'s mode and times) where links cannot be made."""
-    ensure_dir(os.path.dirname(dst))
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno not in NO_LINK:
-            raise
-        _copy(src, dst, part)
-    fsync_dir(os.path.dirname(dst))
-
-
-def move(src: str, dst: str, part: str) -> None:
-    """Move `src` to `dst` durably (over `dst` if it exists): a rename, or, across file systems,
-    a copy through `part` renamed over `dst` and an unlink of `src` once the copy is on disk."""
-    ensure_dir(os.path.dirname(dst))
-    try:
-        os.replace(src, dst)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        _copy(src, dst, part)
-        fsync_dir(os.path.dirname(dst))
-        os.unlink(src)
-    fsync_dir(os.path.dirname(dst))
-    fsync_dir(os.path.dirname(src))
-
-
-def link_new(src: str, dst: str) -> None:
-    """Give `src` the name `dst`, failing if `dst` exists (a new cache entry never overwrites
-    one), then drop the name `src`."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno not in NO_LINK:
-            raise
-        if os.path.lexists(dst):  # no link(): the lock makes check-then-rename safe from fix runs
-            raise FileExistsError(errno.EEXIST, "file exists", dst) from None
-        os.rename(src, dst)
-    else:
-        os.unlink(src)
-    fsync_dir(os.path.dirname(dst))
-
-
-def same_content(a: str, b: str) -> bool:
-    """Whether two existing files hold the same bytes (cheaply true for two names of one file)."""
-    try:
-        if os.path.samefile(a, b):
-            return True
-        if os.path.getsize(a) != os.path.getsize(b):
-            return False
-    except FileNotFoundError:
-        return False
-    return sha256_file(a) == sha256_file(b)
-
-
 def second_name_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) -> None:
-    """`second_name` by (folder fd, name) at both ends."""
+    """Give `name`'s content the durable name `dst_name` and keep `name`: a hard link, or a
+    copy (through `part`, with the original's mode, owner and times) where links cannot be made;
+    both ends named by (folder fd, name)."""
     try:
         os.link(name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
     except OSError as exc:
@@ -167,7 +78,9 @@ def second_name_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: s
 
 
 def move_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) -> None:
-    """`move` by (folder fd, name) at both ends: a swapped parent folder cannot redirect it."""
+    """Move `name` to `dst_name` durably (over it if it exists): a rename, or, across file
+    systems, a copy through `part` renamed over `dst_name` and an unlink of `name` once the copy
+    is on disk. Both ends are (folder fd, name): a swapped parent folder cannot redirect it."""
     try:
         os.rename(name, dst_name, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
     except OSError as exc:
@@ -181,7 +94,8 @@ def move_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) -> 
 
 
 def link_new_at(dir_fd: int, src: str, dst: str) -> None:
-    """`link_new` within one folder fd."""
+    """Give `src` the name `dst` in one folder, failing if `dst` exists (a new cache entry
+    never overwrites one), then drop the name `src`."""
     try:
         os.link(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError as exc:
@@ -190,7 +104,7 @@ def link_new_at(dir_fd: int, src: str, dst: str) -> None:
         try:
             os.stat(dst, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
-            os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # the lock keeps other runs out
         else:
             raise FileExistsError(errno.EEXIST, "file exists", dst) from None
     else:
@@ -221,13 +135,3 @@ def _copy_at(src_dir: int, name: str, dst_dir: int, dst_name: str, part: str) ->
     os.rename(part, dst_name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
 
 
-def _copy(src: str, dst: str, part: str) -> None:
-    """Copy `src` to `part` (mode and times kept, fsynced), then rename it over `dst`."""
-    if os.path.lexists(part):
-        os.unlink(part)  # ours, from an attempt that died
-    with open(src, "rb") as fin, open(part, "xb") as fout:
-        shutil.copyfileobj(fin, fout, 1024 * 1024)
-        fout.flush()
-        shutil.copystat(src, part)
-        os.fsync(fout.fileno())
-    os.replace(part, dst)

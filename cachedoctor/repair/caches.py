@@ -95,7 +95,3 @@ class ActionPaths:
     def restore_temp(self) -> str:
         """A copy back from the quarantine under way (only where a rename cannot do)."""
         return self._beside(self.path, ".undo.tmp")
-
-    @property
-    def leftovers(self) -> tuple[str, str, str]:
-        return (self.temp, self.part, self.restore_temp)

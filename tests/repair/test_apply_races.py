@@ -236,3 +236,41 @@ def test_undo_after_a_folder_was_swapped_for_a_symlink_moves_nothing_outside(tmp
     [conflict] = undone.conflicts
     assert "sub/ is now a symlink" in conflict and "the original is kept at" in conflict
     assert not (cache / "sub_moved" / path.name).exists()
+
+
+def test_a_folder_swapped_while_the_run_works_in_it_cannot_redirect_a_move_or_rewrite(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swap lands after the run has opened the folder: what the run does goes through the
+    folder's descriptor, so it happens in the (renamed) cache folder, never in the symlink's
+    target."""
+    from cachedoctor.repair import confined
+
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    [empty] = empty_file.build(cache / "sub")
+    [batch] = retained_batch.build(cache / "sub", rows=[1], seed=7)
+    shutil.copytree(cache / "sub", outside / "sub")
+    outside_before = tree_digest(outside)
+    plan = plan_for(cache)
+    assert sorted(a.kind for a in plan.actions) == [COMPACT, QUARANTINE]
+    open_dir = confined.open_dir
+
+    def swapping(root_fd: int, reldir: str, **kwargs) -> int:
+        if reldir != "sub":
+            return open_dir(root_fd, reldir, **kwargs)
+        if (cache / "sub").is_symlink():  # put the folder back for the next action to open
+            (cache / "sub").unlink()
+            (cache / "sub_moved").rename(cache / "sub")
+        fd = open_dir(root_fd, reldir, **kwargs)
+        (cache / "sub").rename(cache / "sub_moved")  # and swap it once it is open
+        (cache / "sub").symlink_to(outside / "sub", target_is_directory=True)
+        return fd
+
+    monkeypatch.setattr(confined, "open_dir", swapping)
+    result = plan.execute()
+    monkeypatch.undo()
+
+    assert {o.state for o in result.outcomes} == {"done"}, [o.message for o in result.outcomes]
+    assert tree_digest(outside) == outside_before
+    moved = cache / "sub_moved"
+    assert not (moved / empty.name).exists()
+    assert (moved / batch.name).stat().st_size < batch.stat().st_size  # compacted in the cache
