@@ -274,3 +274,26 @@ def test_a_folder_swapped_while_the_run_works_in_it_cannot_redirect_a_move_or_re
     moved = cache / "sub_moved"
     assert not (moved / empty.name).exists()
     assert (moved / batch.name).stat().st_size < batch.stat().st_size  # compacted in the cache
+
+
+def test_the_cli_reports_each_file_changed_after_its_plan_was_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachedoctor.repair import render
+
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    [path] = empty_file.build(cache / "sub")
+    shutil.copytree(cache / "sub", outside / "sub")
+    outside_before = tree_digest(outside)
+    show = render.render_plan
+
+    def shown_then_swapped(*args, **kwargs) -> None:  # the user reads the plan; meanwhile...
+        show(*args, **kwargs)
+        (cache / "sub").rename(cache / "sub_moved")
+        (cache / "sub").symlink_to(outside / "sub", target_is_directory=True)
+
+    monkeypatch.setattr(render, "render_plan", shown_then_swapped)
+    result = invoke("fix", str(cache), "--yes")
+    assert "quarantine 0/1 (1 skipped)" in result.stdout
+    assert (f"  skipped quarantine {path}: a folder on its path changed since the plan: sub/ is now "
+            "a symlink or not a folder: it may lead out of the cache") in result.stdout.splitlines()
+    assert tree_digest(outside) == outside_before and (cache / "sub_moved" / path.name).exists()
