@@ -16,12 +16,11 @@ size, mtime) and reaches it from the cache root's descriptor, folder by folder, 
 symlink (confined.py); a file or folder that changed since the plan (renamed, grown, replaced,
 swapped for a symlink that may lead out of the cache) is skipped and reported. Moves, links and
 renames name both ends by (folder fd, name). A rewrite keeps the file's mode, owner, group and
-times. An action that fails (verification, a file that changed meanwhile, an I/O error such as
-a full disk) is rolled back on the spot (rollback.py) and reported; the run goes on with the next
-one. A journal that cannot be written (a full disk) stops the run: the next fix or undo finishes
-it. A kill at any point
-leaves each file either as it was or as the run made it, and the journal says enough for the
-next fix or undo to tell which (rollback.recover).
+mtime. An action that fails (verification, a file that changed meanwhile, an I/O error such as
+a full disk) is rolled back on the spot (rollback.py) and reported; the run goes on with the
+next one. A journal that cannot be written (a full disk) stops the run: the next fix or undo
+finishes it. A kill at any point leaves each file either as it was or as the run made it, and
+the journal says enough for the next fix or undo to tell which (rollback.recover).
 """
 
 from __future__ import annotations
