@@ -11,26 +11,44 @@ Per action (journal states in capitals, each committed before the next step):
                      call -> READY (sha256) -> linked in under the entry's name (never over an
                      existing file) -> DONE
 
-An action that fails (verification, a file that changed meanwhile, an I/O error) is rolled back
-on the spot (rollback.py) and reported; the run goes on with the next one. A kill at any point
-leaves each file either as it was or as the run made it, and the journal says enough for the
-next fix or undo to tell which (rollback.recover).
+Before it records anything, each action checks that its file is the one planned (device, inode,
+size, mtime) and reaches it from the cache root's descriptor, folder by folder, never through a
+symlink (confined.py); a file or folder that changed since the plan (renamed, grown, replaced,
+swapped for a symlink that may lead out of the cache) is skipped and reported. Moves, links and
+renames name both ends by (folder fd, name). A rewrite keeps the file's mode, owner, group and
+mtime. An action that fails (verification, a file that changed meanwhile, an I/O error such as
+a full disk) is rolled back on the spot (rollback.py) and reported; the run goes on with the
+next one. A journal that cannot be written (a full disk) stops the run: the next fix or undo
+finishes it. A kill at any point leaves each file either as it was or as the run made it, and
+the journal says enough for the next fix or undo to tell which (rollback.recover).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import secrets
+import stat
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cachedoctor.repair import atomic, index, lock
+from cachedoctor.repair import atomic, confined, index, lock
 from cachedoctor.repair.caches import ActionPaths
 from cachedoctor.repair.errors import RepairError
-from cachedoctor.repair.journal import DONE, FAILED, READY, SKIPPED, STARTED, Journal, Planned
+from cachedoctor.repair.journal import (
+    DONE,
+    FAILED,
+    READY,
+    SKIPPED,
+    STARTED,
+    Journal,
+    JournalError,
+    Planned,
+)
 from cachedoctor.repair.plan import COMPACT, QUARANTINE, REENCODE, TO_CPU, Action, Plan
 from cachedoctor.repair.rollback import recover_caches, roll_back
 
@@ -45,6 +63,10 @@ class RunStopped(Exception):
 
 class Changed(RepairError):
     """The file changed between the run reading it and replacing it."""
+
+
+class Skip(RepairError):
+    """The file or a folder above it is not as planned: the action is skipped, nothing done."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +106,13 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
     outcomes: list[Outcome] = []
     with lock.locked(roots, wait, "fix"):
         journals: dict[str, Journal] = {}
+        root_fds: dict[str, int] = {}
         try:
             notes += recover_caches(roots)
             for root in roots:
+                root_fds[root] = confined.open_root(root)
                 journals[root] = Journal.open(root)
+                lock.hold_in_cache(root)
             _prepare(plan)
             warning = index.remember(roots)
             if warning:
@@ -103,8 +128,9 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
             if on_start is not None:
                 on_start(run_id)
             for seq, action in numbered:
-                outcome = _apply(journals[action.root], ActionPaths(action.root, run_id, seq, action.relpath),
-                                 action, plan.encoder)
+                paths = ActionPaths(action.root, run_id, seq, action.relpath)
+                outcome = _apply(_Step(journals[action.root], paths, action, root_fds[action.root]),
+                                 plan.encoder)
                 outcomes.append(outcome)
                 if on_outcome is not None:
                     on_outcome(outcome)
@@ -114,6 +140,8 @@ def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: st
         finally:
             for journal in journals.values():
                 journal.close()
+            for fd in root_fds.values():
+                os.close(fd)
     return RunResult(run_id, tuple(outcomes), tuple(notes))
 
 
@@ -126,79 +154,200 @@ def _prepare(plan: Plan) -> None:
         plan.encoder.prepare()
 
 
-def _apply(journal: Journal, paths: ActionPaths, action: Action, encoder: Encoder | None) -> Outcome:
+@dataclass
+class _Step:
+    """One action under way: its journal, names, and the folder descriptors it works through."""
+
+    journal: Journal
+    paths: ActionPaths
+    action: Action
+    root_fd: int
+    dir_fd: int | None = None
+    quarantine_fd: int | None = None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.paths.relpath)
+
+    def folder(self) -> int:
+        """The file's folder, reached from the root without following a symlink; Skip if it
+        is gone or no longer a folder inside the cache."""
+        if self.dir_fd is None:
+            try:
+                self.dir_fd = confined.open_dir(self.root_fd, os.path.dirname(self.paths.relpath))
+            except confined.Moved as exc:
+                raise Skip(f"a folder on its path changed since the plan: {exc}") from None
+        return self.dir_fd
+
+    def quarantine_folder(self) -> int:
+        """The run's quarantine folder for this file (made on first use)."""
+        if self.quarantine_fd is None:
+            rel = os.path.relpath(os.path.dirname(self.paths.quarantine), self.paths.root)
+            self.quarantine_fd = confined.open_dir(self.root_fd, rel, create=True)
+        return self.quarantine_fd
+
+    def update(self, state: str, **fields: object) -> None:
+        self.journal.update(self.paths.run_id, self.paths.seq, state, **fields)
+
+    def close(self) -> None:
+        for fd in (self.dir_fd, self.quarantine_fd):
+            if fd is not None:
+                os.close(fd)
+
+
+def _apply(step: _Step, encoder: Encoder | None) -> Outcome:
+    action, paths = step.action, step.paths
     try:
-        return STEPS[action.kind](journal, paths, action, encoder)
+        return STEPS[action.kind](step, encoder)
+    except Skip as exc:  # raised before anything was recorded or changed
+        step.update(SKIPPED, error=str(exc))
+        return Outcome(action, SKIPPED, str(exc))
+    except JournalError as exc:
+        _roll_back(step, str(exc))
+        raise RunStopped(f"{exc}: the run stopped; the next `cachedoctor fix` or "
+                         f"`cachedoctor undo {paths.run_id}` finishes it") from None
     except RepairError as exc:
         message = str(exc)
+    except OSError as exc:
+        message = _os_error(exc, action.path)
     except Exception as exc:  # any failure costs this action, never the cache
         message = f"{type(exc).__name__}: {exc}"
-    record = journal.actions(paths.run_id, paths.seq)[0]
-    try:
-        conflict = roll_back(record, paths.root)
-    except Exception as exc:
-        raise RunStopped(f"{action.path}: {message}; rolling it back failed too ({exc}): the next "
-                         f"`cachedoctor fix` or `cachedoctor undo {paths.run_id}` finishes it") from exc
-    journal.update(paths.run_id, paths.seq, FAILED, error=message + (f"; {conflict}" if conflict else ""))
+    finally:
+        step.close()
+    conflict = _roll_back(step, message)
+    step.update(FAILED, error=message + (f"; {conflict}" if conflict else ""))
     return Outcome(action, FAILED, message)
 
 
-def _vanished(journal: Journal, paths: ActionPaths, action: Action) -> Outcome:
-    journal.update(paths.run_id, paths.seq, SKIPPED, error="the file vanished")
-    return Outcome(action, SKIPPED, "the file vanished before it was changed")
-
-
-def _quarantine(journal: Journal, paths: ActionPaths, action: Action, encoder: Encoder | None) -> Outcome:
+def _roll_back(step: _Step, message: str) -> str | None:
+    record = step.journal.actions(step.paths.run_id, step.paths.seq)[0]
     try:
-        sha_before, size = atomic.sha256_file(paths.path), os.lstat(paths.path).st_size
+        return roll_back(record, step.paths.root)
+    except Exception as exc:
+        raise RunStopped(f"{step.action.path}: {message}; rolling it back failed too ({exc}): the "
+                         f"next `cachedoctor fix` or `cachedoctor undo {step.paths.run_id}` "
+                         "finishes it") from exc
+
+
+def _os_error(exc: OSError, path: str) -> str:
+    """One line naming the path: `/c/a.pt: No space left on device`."""
+    where = os.fsdecode(exc.filename) if exc.filename else path
+    if exc.filename and not os.path.isabs(where):
+        where = os.path.join(os.path.dirname(path), where)  # a name relative to the file's folder
+    return f"{where}: {exc.strerror or exc}"
+
+
+def _check(step: _Step, st: os.stat_result | None) -> os.stat_result:
+    """`st` (the file as it is now), or Skip if it is not the file the plan saw."""
+    if st is None:
+        raise Skip("the file vanished since the plan")
+    if stat.S_ISLNK(st.st_mode):
+        raise Skip("the file is now a symlink: it may lead out of the cache")
+    planned = step.action.planned
+    why = planned.differs(st) if planned is not None else (
+        None if stat.S_ISREG(st.st_mode) else "is no longer a regular file")
+    if why:
+        raise Skip(f"since the plan, the file {why}")
+    return st
+
+
+def _open_checked(step: _Step) -> tuple[int, os.stat_result]:
+    """The planned file, opened (never through a symlink) and checked against the plan."""
+    folder = step.folder()
+    _check(step, confined.lstat_at(folder, step.name))
+    try:
+        fd = confined.open_file(folder, step.name)
     except FileNotFoundError:
-        return _vanished(journal, paths, action)
-    journal.update(paths.run_id, paths.seq, STARTED, sha_before=sha_before, size_before=size)
-    atomic.move(paths.path, paths.quarantine, paths.part)
-    journal.update(paths.run_id, paths.seq, DONE)
-    return Outcome(action, DONE)
+        raise Skip("the file vanished since the plan") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Skip("the file is now a symlink: it may lead out of the cache") from None
+        raise
+    try:
+        return fd, _check(step, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _rewrite(journal: Journal, paths: ActionPaths, action: Action, encoder: Encoder | None) -> Outcome:
+def _same_file(a: os.stat_result, b: os.stat_result | None) -> bool:
+    return b is not None and (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == \
+        (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
+
+
+def _quarantine(step: _Step, encoder: Encoder | None) -> Outcome:
+    fd, before = _open_checked(step)
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            sha_before = hashlib.file_digest(f, "sha256").hexdigest()
+    finally:
+        os.close(fd)
+    step.update(STARTED, sha_before=sha_before, size_before=before.st_size)
+    folder, quarantine = step.folder(), step.quarantine_folder()
+    if not _same_file(before, confined.lstat_at(folder, step.name)):
+        raise Changed("the file changed while it was being moved: left as it is now")
+    atomic.move_at(folder, step.name, quarantine, os.path.basename(step.paths.quarantine),
+                   os.path.basename(step.paths.part))
+    step.update(DONE)
+    return Outcome(step.action, DONE)
+
+
+def _rewrite(step: _Step, encoder: Encoder | None) -> Outcome:
     from cachedoctor.repair import rewrite
 
+    fd, before = _open_checked(step)
     try:
-        data, before = atomic.read_file(paths.path)
-    except FileNotFoundError:
-        return _vanished(journal, paths, action)
+        data = confined.read_fd(fd)
+    finally:
+        os.close(fd)
     sha_before = atomic.sha256_bytes(data)
-    journal.update(paths.run_id, paths.seq, STARTED, sha_before=sha_before, size_before=len(data))
-    compact = action.kind == COMPACT
-    new, original, kind = rewrite.rewrite(data, paths.path, compact)
-    atomic.write_new(paths.temp, new, like=before)
-    written, _ = atomic.read_file(paths.temp)
-    rewrite.verify(original, written, paths.path, kind, compact)
-    journal.update(paths.run_id, paths.seq, READY, sha_after=atomic.sha256_bytes(written))
-    atomic.second_name(paths.path, paths.quarantine, paths.part)
-    kept = os.lstat(paths.quarantine)
-    if (kept.st_ino, kept.st_size, kept.st_mtime_ns) != (before.st_ino, before.st_size, before.st_mtime_ns) \
-            and atomic.sha256_file(paths.quarantine) != sha_before:
+    step.update(STARTED, sha_before=sha_before, size_before=len(data))
+    compact = step.action.kind == COMPACT
+    # the scan's reader judges these very bytes again before torch (weights_only) sees them
+    new, original, kind = rewrite.rewrite(data, step.paths.path, compact)
+    folder, temp = step.folder(), os.path.basename(step.paths.temp)
+    atomic.write_new(temp, new, like=before, dir_fd=folder)
+    fd = confined.open_file(folder, temp)
+    try:
+        written = confined.read_fd(fd)
+    finally:
+        os.close(fd)
+    rewrite.verify(original, written, step.paths.path, kind, compact)
+    step.update(READY, sha_after=atomic.sha256_bytes(written))
+    quarantine, kept_name = step.quarantine_folder(), os.path.basename(step.paths.quarantine)
+    atomic.second_name_at(folder, step.name, quarantine, kept_name, os.path.basename(step.paths.part))
+    kept = confined.lstat_at(quarantine, kept_name)
+    if not _same_file(before, kept) and not (
+            kept is not None and stat.S_ISREG(kept.st_mode) and _sha_at(quarantine, kept_name) == sha_before):
         raise Changed("the file changed while it was being rewritten: left as it is now")
-    os.replace(paths.temp, paths.path)
-    atomic.fsync_dir(os.path.dirname(paths.path))
-    journal.update(paths.run_id, paths.seq, DONE)
-    return Outcome(action, DONE)
+    os.replace(temp, step.name, src_dir_fd=folder, dst_dir_fd=folder)
+    os.fsync(folder)
+    step.update(DONE)
+    return Outcome(step.action, DONE)
 
 
-def _reencode(journal: Journal, paths: ActionPaths, action: Action, encoder: Encoder | None) -> Outcome:
+def _sha_at(dir_fd: int, name: str) -> str:
+    fd = confined.open_file(dir_fd, name)
+    with os.fdopen(fd, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _reencode(step: _Step, encoder: Encoder | None) -> Outcome:
     from cachedoctor.repair import reencode
 
+    action = step.action
     assert action.target is not None and encoder is not None
-    if os.path.lexists(paths.path):
-        journal.update(paths.run_id, paths.seq, SKIPPED, error="the entry exists")
-        return Outcome(action, SKIPPED, "the entry exists (written since the plan?)")
-    journal.update(paths.run_id, paths.seq, STARTED)
+    folder = step.folder()
+    if confined.lstat_at(folder, step.name) is not None:
+        raise Skip("the entry exists (written since the plan?)")
+    step.update(STARTED)
     data, latent = reencode.encode(action.target, encoder)
-    atomic.write_new(paths.temp, data)
-    reencode.verify(action.target, paths.temp, latent)
-    journal.update(paths.run_id, paths.seq, READY, sha_after=atomic.sha256_bytes(data))
-    atomic.link_new(paths.temp, paths.path)
-    journal.update(paths.run_id, paths.seq, DONE)
+    temp = os.path.basename(step.paths.temp)
+    atomic.write_new(temp, data, dir_fd=folder)
+    reencode.verify(action.target, step.paths.temp, latent)
+    step.update(READY, sha_after=atomic.sha256_bytes(data))
+    atomic.link_new_at(folder, temp, step.name)
+    step.update(DONE)
     return Outcome(action, DONE)
 
 

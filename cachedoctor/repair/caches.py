@@ -2,11 +2,13 @@
 
 A cache root is a dataset's cache dir: a bare target dir, or the dir of a single-file target;
 for trainers that keep their caches beside the images (kohya, ai-toolkit), the image dir.
-Each root holds `.cachedoctor/` (the scan never walks it):
+Each root a run changes holds `.cachedoctor/` (the scan never walks it):
 
     .cachedoctor/journal.sqlite                 what every run did, written before it does it
     .cachedoctor/lock                           flock'ed by the fix or undo working on the cache
     .cachedoctor/quarantine/<run>/<relpath>     every file a run removed or replaced
+
+(The lock that orders runs, nested caches included, is in cachedoctor's state dir: lock.py.)
 
 Everything a run touches has a name derived from (root, run id, sequence number, relative
 path), so recovery finds it from the journal alone, even where the cache dir was moved.
@@ -93,7 +95,3 @@ class ActionPaths:
     def restore_temp(self) -> str:
         """A copy back from the quarantine under way (only where a rename cannot do)."""
         return self._beside(self.path, ".undo.tmp")
-
-    @property
-    def leftovers(self) -> tuple[str, str, str]:
-        return (self.temp, self.part, self.restore_temp)

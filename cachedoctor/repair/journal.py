@@ -17,11 +17,12 @@ skipped, rolled-back (by recovery), undone, conflict (undo left the file alone).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from cachedoctor import __version__
@@ -129,9 +130,14 @@ class Journal:
 
     @classmethod
     def open(cls, root: str) -> Journal:
-        """The journal of `root`, created if there is none."""
+        """The journal of `root`, created if there is none (in `.cachedoctor/`, made in `root`
+        if need be: never `root` itself, nor a folder above it)."""
         path = os.path.join(state_dir(root), JOURNAL)
-        atomic.ensure_dir(state_dir(root))
+        try:
+            os.mkdir(state_dir(root), 0o755)
+            atomic.fsync_dir(root)
+        except FileExistsError:
+            pass
         try:
             conn = sqlite3.connect(path, timeout=30)
             conn.execute("PRAGMA journal_mode=DELETE")
@@ -160,10 +166,25 @@ class Journal:
 
     # --- writing ---
 
+    @property
+    def path(self) -> str:
+        return os.path.join(state_dir(self.root), JOURNAL)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One committed transaction; a failed write (a full disk: SQLite's "database or disk
+        is full") is a JournalError naming the journal. SQLite rolls the transaction back, so
+        the journal stays as it was before it."""
+        try:
+            with self.conn:
+                yield
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot write the journal {self.path}: {exc}") from None
+
     def begin_run(self, run_id: str, planned: Iterable[Planned], command: str) -> None:
         """Record the run and every action it plans, in one transaction, before any change."""
         now = time.time()
-        with self.conn:
+        with self._writing():
             self.conn.execute(
                 "INSERT INTO runs (run_id, started, state, pid, host, command, version) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -186,7 +207,7 @@ class Journal:
         if not allowed.issuperset(fields):
             raise ValueError(f"unknown action fields: {sorted(set(fields) - allowed)}")
         columns = "".join(f", {name} = ?" for name in fields)
-        with self.conn:
+        with self._writing():
             self.conn.execute(
                 f"UPDATE actions SET state = ?, updated = ?{columns} WHERE run_id = ? AND seq = ?",
                 (state, time.time(), *fields.values(), run_id, seq),
@@ -194,7 +215,7 @@ class Journal:
 
     def set_run_state(self, run_id: str, state: str) -> None:
         finished = None if state in (RUNNING, UNDOING) else time.time()
-        with self.conn:
+        with self._writing():
             self.conn.execute("UPDATE runs SET state = ?, finished = ? WHERE run_id = ?",
                               (state, finished, run_id))
 

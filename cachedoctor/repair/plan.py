@@ -25,6 +25,7 @@ from cachedoctor.findings import Finding, Report
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.repair.caches import root_of
+from cachedoctor.repair.confined import FileId
 from cachedoctor.repair.reencode import ReencodeTarget
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class Action:
     size: int = 0  # bytes of the file now (0 for a new entry)
     freed: int = 0  # bytes the cache shrinks by (compact: CD201's estimate of the waste)
     target: ReencodeTarget | None = None  # reencode: what to write
+    planned: FileId | None = None  # the file as planned: the run skips it if it changed since
 
     @property
     def relpath(self) -> str:
@@ -198,7 +200,8 @@ def _skip(code: str, path: str, why: str) -> Note:
 def _action(path: str, findings: list[Finding], root: str) -> Action:
     fixes = {f.fix for f in findings}
     kind = next(k for k in (QUARANTINE, COMPACT, TO_CPU) if k in fixes)
-    size = os.stat(path).st_size
+    st = os.lstat(path)
+    size = st.st_size
     if kind == QUARANTINE:
         freed = size
     elif kind == COMPACT:
@@ -206,7 +209,7 @@ def _action(path: str, findings: list[Finding], root: str) -> Action:
     else:
         freed = 0
     codes = tuple(sorted({f.code for f in findings}))
-    return Action(kind, path, root, codes, size, freed)
+    return Action(kind, path, root, codes, size, freed, planned=FileId.of(st))
 
 
 class _Reencodes:

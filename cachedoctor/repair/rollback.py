@@ -18,11 +18,13 @@ Per action, what the files say about how far it got:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import stat
 from collections.abc import Iterable
 
-from cachedoctor.repair import atomic
-from cachedoctor.repair.caches import QUARANTINE_DIR, state_dir
+from cachedoctor.repair import atomic, confined
+from cachedoctor.repair.caches import QUARANTINE_DIR, ActionPaths, state_dir
 from cachedoctor.repair.journal import (
     CONFLICT,
     IN_FLIGHT,
@@ -42,32 +44,88 @@ from cachedoctor.repair.plan import QUARANTINE, REENCODE
 
 
 def roll_back(record: ActionRecord, root: str) -> str | None:
-    """Undo what `record`'s action did to its file; None when it is back, else why it was left."""
-    paths = record.paths(root)
-    for leftover in paths.leftovers:
-        atomic.remove(leftover)
-    if record.kind == REENCODE:
-        if os.path.lexists(paths.path) and record.sha_after and _sha(paths.path) == record.sha_after:
-            atomic.remove(paths.path)
-        return None
-    original, kept = paths.path, paths.quarantine
-    if not os.path.lexists(kept):
-        return None
-    if os.path.lexists(original) and atomic.same_content(original, kept):
-        atomic.remove(kept)
-        return None
-    ours = record.kind != QUARANTINE and record.sha_after and _sha(original) == record.sha_after
-    if ours or not os.path.lexists(original):
-        atomic.move(kept, original, paths.restore_temp)
-        return None
-    return f"{original} has changed since the run: left alone; the original is kept at {kept}"
-
-
-def _sha(path: str) -> str | None:
+    """Undo what `record`'s action did to its file; None when it is back, else why it was left.
+    Works through folder descriptors from the root (confined.py): a folder of the cache swapped
+    for a symlink since the run leaves the file where it is, reported, never moved out."""
+    root_fd = confined.open_root(root)
+    fds: list[int] = []
     try:
-        return atomic.sha256_file(path)
+        return _roll_back(record, record.paths(root), root_fd, fds)
+    finally:
+        for fd in (*fds, root_fd):
+            os.close(fd)
+
+
+def _roll_back(record: ActionRecord, paths: ActionPaths, root_fd: int, fds: list[int]) -> str | None:
+    name, kept_name = os.path.basename(paths.relpath), os.path.basename(paths.quarantine)
+    folder, moved = _folder(root_fd, os.path.dirname(paths.relpath), fds)
+    kept_rel = os.path.relpath(os.path.dirname(paths.quarantine), paths.root)
+    quarantine, quarantine_moved = _folder(root_fd, kept_rel, fds)
+    if folder is not None:
+        for leftover in (paths.temp, paths.restore_temp):
+            _remove_at(folder, os.path.basename(leftover))
+    if quarantine is not None:
+        _remove_at(quarantine, os.path.basename(paths.part))
+    if record.kind == REENCODE:
+        if folder is not None and record.sha_after and _sha_at(folder, name) == record.sha_after:
+            _remove_at(folder, name)
+        return None
+    if quarantine_moved:
+        return f"{quarantine_moved}: left alone; the original may still be at {paths.quarantine}"
+    if quarantine is None or confined.lstat_at(quarantine, kept_name) is None:
+        return None
+    if folder is None:
+        return f"{moved}: left alone; the original is kept at {paths.quarantine}"
+    here = confined.lstat_at(folder, name)
+    if here is not None and _same_at(folder, name, here, quarantine, kept_name):
+        _remove_at(quarantine, kept_name)
+        return None
+    ours = record.kind != QUARANTINE and record.sha_after and _sha_at(folder, name) == record.sha_after
+    if ours or here is None:
+        atomic.move_at(quarantine, kept_name, folder, name, os.path.basename(paths.restore_temp))
+        return None
+    return f"{paths.path} has changed since the run: left alone; the original is kept at {paths.quarantine}"
+
+
+def _folder(root_fd: int, reldir: str, fds: list[int]) -> tuple[int | None, str | None]:
+    """(descriptor, None); (None, None) where the folder is gone; (None, why) where a folder on
+    the way is now a symlink or a file."""
+    try:
+        fd = confined.open_dir(root_fd, reldir)
+    except confined.Gone:
+        return None, None
+    except confined.Moved as exc:
+        return None, str(exc)
+    fds.append(fd)
+    return fd, None
+
+
+def _remove_at(folder: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=folder)
+    except FileNotFoundError:
+        return
+    os.fsync(folder)
+
+
+def _sha_at(folder: int, name: str) -> str | None:
+    """The sha256 of the regular file `name` (None if it is missing or a symlink)."""
+    try:
+        fd = confined.open_file(folder, name)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _same_at(folder: int, name: str, st: os.stat_result, other: int, other_name: str) -> bool:
+    """Whether two files hold the same bytes (cheaply true for two names of one file)."""
+    kept = confined.lstat_at(other, other_name)
+    if kept is None or not stat.S_ISREG(st.st_mode):
+        return False
+    if (kept.st_dev, kept.st_ino) == (st.st_dev, st.st_ino):
+        return True
+    return kept.st_size == st.st_size and _sha_at(folder, name) == _sha_at(other, other_name)
 
 
 def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
@@ -129,7 +187,10 @@ def undo_in(journal: Journal, run_id: str) -> tuple[int, list[str]]:
         else:
             restored += 1
     journal.set_run_state(run_id, UNDO_INCOMPLETE if conflicts else UNDONE)
-    _prune(os.path.join(state_dir(journal.root), QUARANTINE_DIR, run_id))
+    quarantine = os.path.join(state_dir(journal.root), QUARANTINE_DIR)
+    _prune(os.path.join(quarantine, run_id))
+    with contextlib.suppress(OSError):  # the quarantine dir itself, where no other run uses it
+        os.rmdir(quarantine)
     return restored, conflicts
 
 

@@ -2,7 +2,9 @@
 
 A file is loaded only after the scan's own reader, run over the very bytes that torch will
 read, found it whole and free of globals outside the tensor allow-list (CD105): a hostile
-pickle is never handed to torch, not even with weights_only=True.
+pickle is never handed to torch, not even with weights_only=True. A zip with two members whose
+names differ only in case (`archive/data.pkl` and `archive/DATA.PKL`) is refused too: torch's
+zip reader looks names up ignoring case, so it may read the member the scan did not judge.
 """
 
 from __future__ import annotations
@@ -43,8 +45,33 @@ def checked(data: bytes, path: str) -> FileMeta:
                          f"{', '.join(meta.unsafe_globals[:4])}; never loaded")
     if meta.errors:
         raise Unloadable(f"cannot be parsed: {meta.errors[0]}")
-    container(meta)
+    kind = container(meta)
+    if kind in (ZIP, GZIP):
+        twins = case_twins(gzip.decompress(data) if kind == GZIP else data)
+        if twins:
+            raise Unloadable(f"its zip holds members whose names differ only in case ({', '.join(twins)}): "
+                             "torch may read one the check did not; never loaded")
     return meta
+
+
+def case_twins(data: bytes) -> tuple[str, ...]:
+    """Names of zip members that another member's name equals ignoring case (or exactly)."""
+    from cachedoctor.formats.source import BytesSource
+    from cachedoctor.formats.zipdir import ZipError, read_directory
+
+    try:
+        entries = read_directory(BytesSource(data)).entries
+    except ZipError:
+        return ()  # the reader has judged it already
+    seen: dict[str, str] = {}
+    twins: list[str] = []
+    for entry in entries:
+        key = entry.name.lower()
+        if key in seen:
+            twins += [n for n in (seen[key], entry.name) if n not in twins]
+        else:
+            seen[key] = entry.name
+    return tuple(twins)
 
 
 def load(data: bytes, meta: FileMeta) -> Any:

@@ -149,6 +149,35 @@ def test_a_rewrite_refuses_a_file_with_unsafe_globals_even_when_cd105_is_not_sel
     assert tree_digest(cache) == before and not marker.exists()
 
 
+def test_a_rewrite_refuses_a_zip_with_a_hostile_case_twin_of_its_pickle(cache: Path) -> None:
+    """torch finds zip members ignoring case: beside a benign `archive/data.pkl` that the check
+    reads, torch may load a hostile `archive/DATA.PKL`."""
+    import pickle
+    import zipfile
+
+    marker = cache.parent / MARKER
+    benign = zipfile.ZipFile(io.BytesIO(to_bytes(latent_batch(4)[1])))  # CD201
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as twin:
+        for info in benign.infolist():
+            twin.writestr(info, benign.read(info))
+            if info.filename.endswith("/data.pkl"):
+                twin.writestr(info.filename[:-len("data.pkl")] + "DATA.PKL",
+                              pickle.dumps(unsafe_pickle.Payload(marker), protocol=2))
+    path = cache / "twin.pt"
+    path.write_bytes(out.getvalue())
+    before = tree_digest(cache)
+    from cachedoctor.repair import build_plan
+
+    plan = build_plan(scan_paths(cache, select=("CD201",)), [str(cache)])
+    result = plan.execute()
+
+    assert [a.kind for a in plan.actions] == [COMPACT]
+    [failed] = result.failed
+    assert "differ only in case" in failed.message and "DATA.PKL" in failed.message
+    assert tree_digest(cache) == before and not marker.exists()
+
+
 def test_every_removed_or_replaced_file_is_in_the_quarantine(cache: Path) -> None:
     every_fixable_defect(cache, cache.parent / MARKER)
     before = tree_digest(cache)

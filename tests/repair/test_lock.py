@@ -89,3 +89,73 @@ def test_locks_are_reentrant_in_a_process_and_exclusive_across(cache: Path) -> N
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_nested_caches_share_one_lock_across_processes(tmp_path: Path) -> None:
+    outer = tmp_path / "cache"
+    inner = outer / "sub"
+    empty_file.build(inner)
+    before = tree_digest(outer)
+    for held, fixed in ((outer, inner), (inner, outer)):
+        holder = hold(held, 60)
+        try:
+            result = run_cli("fix", str(fixed), "--yes")
+            assert result.returncode == 2
+            assert result.stderr.strip() == (
+                f"cachedoctor: error: another cachedoctor fix (pid {holder.pid}) is running on "
+                f"{held}; wait for it to finish, or pass --wait SECONDS")
+            assert tree_digest(outer) == before
+        finally:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_symlink_to_a_cache_takes_the_cache_s_own_lock(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    empty_file.build(cache)
+    alias = tmp_path / "alias"
+    alias.symlink_to(cache, target_is_directory=True)
+    holder = hold(cache, 60)
+    try:
+        with pytest.raises(LockBusy) as busy, locked([str(alias)]):
+            pass
+        assert busy.value.root == str(cache)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_sibling_caches_lock_independently(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    holder = hold(tmp_path / "a", 60)
+    try:
+        with locked([str(tmp_path / "b")]):
+            pass
+        with pytest.raises(LockBusy), locked([str(tmp_path)]):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_creates_no_folder_in_or_for_the_cache(tmp_path: Path) -> None:
+    missing = tmp_path / "not_cached_yet"
+    existing = tmp_path / "cache"
+    existing.mkdir()
+    with locked([str(missing), str(existing)]):
+        assert not missing.exists() and os.listdir(existing) == []
+    assert not missing.exists() and os.listdir(existing) == []
+
+
+def test_fix_with_nothing_to_do_or_then_undo_leaves_no_folder_it_made(cache: Path) -> None:
+    clean_tree = tree_digest(cache)
+    assert run_cli("fix", str(cache), "--yes").returncode == 0
+    assert os.listdir(cache) == [] and tree_digest(cache) == clean_tree
+    (cache / "deep" / "er").mkdir(parents=True)
+    empty_file.build(cache / "deep" / "er")
+    assert run_cli("fix", str(cache), "--yes").returncode == 0
+    assert run_cli("undo", "--cache", str(cache)).returncode == 0
+    # what stays is the journal (the record `fix --list-runs` shows) and its lock file
+    assert sorted(os.listdir(cache / ".cachedoctor")) == ["journal.sqlite", "lock"]
+    assert sorted(os.listdir(cache)) == [".cachedoctor", "deep"]
