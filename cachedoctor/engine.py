@@ -170,7 +170,8 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
                 if facts.key is not None:
                     coverage.append((key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0,
                                      facts.naming))
-        summary = summarize(entry, meta, facts, verdict.content if verdict else None)
+        summary = summarize(entry, meta, facts, verdict.content if verdict else None,
+                            naming.group)
         if summary is not None:
             summaries.append(summary)
     blobs = [encode(batch.dataset, summaries)] if summaries else []
