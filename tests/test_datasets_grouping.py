@@ -36,6 +36,17 @@ def _inside(path: str, folder: Path) -> bool:
     return path == str(folder) or path.startswith(str(folder) + "/")
 
 
+def _there(finding, folder: Path) -> bool:
+    """In the dataset at `folder`: on a file or folder in it, or (a finding over a trainer
+    config's dataset that holds it, such as CD304 at OneTrainer's cache dir) on a folder above
+    it naming only files in it."""
+    if _inside(finding.path, folder):
+        return True
+    files = finding.details.get("files")
+    return bool(files) and _inside(str(folder), Path(finding.path)) and all(
+        _inside(p, folder) for p in files)
+
+
 # one plant per tree and code: (tree, dataset, code)
 PLANTS = [
     ("simpletuner", "vae/flux/photos", "CD303"),
@@ -68,13 +79,28 @@ def test_multi_dataset_tree_scans_clean_as_a_bare_dir(name: str, tmp_path: Path)
     assert len(tree.datasets) >= 2 or name == "kohya"
 
 
+@pytest.mark.parametrize("name", corpus.BUILDERS)
+def test_multi_dataset_tree_scans_clean_through_its_configs(name: str, tmp_path: Path) -> None:
+    tree = corpus.build(name, tmp_path / name)
+    if not tree.configs:
+        pytest.skip("a bare cache: no trainer config")
+    for targets in [*([c] for c in tree.configs), tree.configs]:
+        report = scan_paths(*targets)
+        assert serious(report) == [], (targets, report.findings)
+        assert report.trainers == (tree.trainer,)
+
+
+@pytest.mark.parametrize("through", ["bare", "configs"])
 @pytest.mark.parametrize(("name", "dataset", "code"), PLANTS,
                          ids=[f"{n}-{d}-{c}" for n, d, c in PLANTS])
 def test_a_defect_planted_in_one_dataset_is_reported_there_only(name: str, dataset: str,
-                                                                 code: str, tmp_path: Path) -> None:
+                                                                 code: str, through: str,
+                                                                 tmp_path: Path) -> None:
     tree = corpus.build(name, tmp_path / name, plant=(dataset, code))
     assert code in tree.plantable[dataset]
-    report = scan_paths(tree.root)
+    if through == "configs" and not tree.configs:
+        pytest.skip("a bare cache: no trainer config")
+    report = scan_paths(*(tree.configs if through == "configs" else [tree.root]))
     planted_code, planted = tree.planted
     fired = {(f.code, f.path) for f in report.findings}
     if code == "CD304":  # one finding for the dataset, listing the odd file
@@ -84,7 +110,7 @@ def test_a_defect_planted_in_one_dataset_is_reported_there_only(name: str, datas
     else:
         assert (planted_code, str(planted)) in fired
     folder = tree.datasets[dataset]
-    outside = [f for f in serious(report) if not _inside(f.path, folder)]
+    outside = [f for f in serious(report) if not _there(f, folder)]
     assert outside == [], outside
     assert all(f.code in DATASET_RULES or f.code == "CD302" for f in serious(report)), report.findings
 
@@ -159,7 +185,14 @@ def test_agreeing_files_give_no_verdict() -> None:
 
 
 def _fixable(report) -> set[tuple[str, str]]:
-    return {(f.path, f.code) for f in report.findings if f.fix in ("quarantine", "compact", "to-cpu")}
+    """(file, code) of every file a finding with a fix names: its path, or for a finding on a
+    folder (CD502 over a cache) the files its details list."""
+    out = set()
+    for f in report.findings:
+        if f.fix in ("quarantine", "compact", "to-cpu"):
+            files = f.details.get("files") if Path(f.path).is_dir() else None
+            out |= {(str(p), f.code) for p in files or [f.path]}
+    return out
 
 
 def _planned(plan) -> set[tuple[str, str]]:
@@ -234,3 +267,27 @@ def test_baseline_holds_when_healthy_files_are_added(tmp_path: Path) -> None:
     new = Baseline.load(str(baseline)).apply(scan_paths(tree.root)).report.findings
     assert [(f.code, f.path) for f in new] == [("CD303", str(bad))]
     assert json.loads(baseline.read_text())["findings"]
+
+
+def _agree(report, targets: list[str]) -> None:
+    plan = build_plan(report, cache_roots(resolve(targets)))
+    skipped = {(n.path, n.code) for n in plan.notes if n.skipped}
+    assert _fixable(report), "the comparison is of something"
+    assert _planned(plan) | {p for p in skipped if p in _fixable(report)} == _fixable(report)
+    assert _planned(plan) <= _fixable(report)
+
+
+@pytest.mark.parametrize("trainer", ["simpletuner", "onetrainer", "kohya", "aitoolkit"])
+def test_scan_and_fix_decide_alike_on_the_trainer_projects(trainer: str, tmp_path: Path) -> None:
+    import importlib
+
+    module = importlib.import_module(f"cachedoctor.fixtures.projects.{trainer}")
+    project = module.build(tmp_path / "project", defects=module.DEFECTS[:6])
+    _agree(scan_paths(project.config, jobs=2), [str(project.config)])
+
+
+def test_scan_and_fix_decide_alike_on_the_demo_cache(tmp_path: Path) -> None:
+    from cachedoctor.fixtures import write_demo
+
+    write_demo(tmp_path / "demo")
+    _agree(scan_paths(tmp_path / "demo", deep=True), [str(tmp_path / "demo")])
