@@ -10,6 +10,7 @@ broken, so no run order or worker count can change a verdict.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 from collections import Counter
@@ -56,6 +57,14 @@ def examples(paths: Iterable[str], limit: int = EXAMPLES) -> list[str]:
     return sorted(paths)[:limit]
 
 
+def keep(kept: list[str], path: str, limit: int = EXAMPLES) -> None:
+    """Add `path` to `kept`, a sorted list of at most `limit` paths: the examples of a group of
+    any size in constant memory, the same ones whatever order the files come in."""
+    if len(kept) < limit or path < kept[-1]:
+        bisect.insort(kept, path)
+        del kept[limit:]
+
+
 def ranked(counts: Counter) -> list[tuple[Hashable, int]]:
     """(value, files) from the most files to the fewest, ties in the values' text order, so a
     message reads the same on every run."""
@@ -87,6 +96,16 @@ def split_finding(rule: Rule, path: str, ctx: RuleContext, subject: str, verdict
 
 
 CLEAR_TEXT = "2/3"
+
+
+def place(group: str | None, configured: str | None, files: Mapping[Any, Iterable[str]]) -> str:
+    """Where a split is reported: a bare tree's dataset folder, else the trainer config's cache
+    dir, else the folder the files share."""
+    if group is not None:
+        return group
+    if configured is not None:
+        return configured
+    return os.path.commonpath(sorted({os.path.dirname(p) for ps in files.values() for p in ps}))
 
 
 def _near(file: str, folder: str) -> str:

@@ -33,13 +33,12 @@ right.
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import Verdict, decide, split_finding
+from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import shape_text
@@ -81,7 +80,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         if verdict is None:
             continue
         if verdict.split:
-            split[key][s.shape].append(s.path)
+            keep(split[key][s.shape], s.path)
         elif s.shape != verdict.major:
             n = verdict.counts[verdict.major]
             yield RULE.finding(
@@ -94,7 +93,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
                 majority_files=n, bucket_files=verdict.total,
             )
     for key, files in sorted(split.items(), key=lambda kv: str(kv[0])):
-        where = os.path.commonpath(sorted({os.path.dirname(p) for ps in files.values() for p in ps}))
+        where = place(key[0], ctx.facts.latent_cache_dir if ctx.facts else None, files)
         yield split_finding(RULE, where, ctx, f"latents of bucket {key[2]}", verdicts[key],
                             shape_text, files, bucket=key[2])
 

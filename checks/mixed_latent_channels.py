@@ -34,13 +34,12 @@ of its own. Give each model family a cache dir of its own (SimpleTuner's default
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import Verdict, decide, split_finding
+from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -78,7 +77,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         if verdict is None:
             continue
         if verdict.split:
-            split[(s.group, s.family)][c].append(s.path)
+            keep(split[(s.group, s.family)][c], s.path)
         elif c != verdict.major:
             yield RULE.finding(
                 s.path,
@@ -87,19 +86,10 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
                 ctx, channels=c, majority_channels=verdict.major, shape=list(s.shape),
             )
     for (group, family), files in sorted(split.items(), key=lambda kv: str(kv[0])):
-        where = group or _folder(files, ctx)
+        where = place(group, ctx.facts.latent_cache_dir if ctx.facts else None, files)
         subject = f"latents ({family})" if family else "latents"
         yield split_finding(RULE, where, ctx, subject, verdicts[(group, family)],
                             lambda c: f"{c} channels", files)
-
-
-def _folder(files: dict, ctx: RuleContext) -> str:
-    """Where a split is reported without a bare tree's dataset folder: the dataset's VAE cache
-    dir, else the folder the files share."""
-    facts = ctx.facts
-    if facts is not None and facts.latent_cache_dir is not None:
-        return facts.latent_cache_dir
-    return os.path.commonpath(sorted({os.path.dirname(p) for ps in files.values() for p in ps}))
 
 
 RULE = Rule(

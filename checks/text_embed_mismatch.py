@@ -28,14 +28,13 @@ captions again. A split is yours to settle: give each text encoder a cache dir o
 
 from __future__ import annotations
 
-import os
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import TEXT
-from cachedoctor.majority import Verdict, decide, split_finding
+from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -80,7 +79,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             continue
         mine = normalized(s.signature)
         if verdict.split:
-            split[(s.group, s.family)][mine].append(s.path)
+            keep(split[(s.group, s.family)][mine], s.path)
         elif mine != verdict.major:
             yield RULE.finding(
                 s.path,
@@ -90,12 +89,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
                 majority_signature=[list(k) for k in verdict.major],
             )
     for (group, family), files in sorted(split.items(), key=lambda kv: str(kv[0])):
-        where = group
-        if where is None and ctx.facts is not None:
-            where = ctx.facts.text_cache_dir
-        if where is None:
-            where = os.path.commonpath(sorted({os.path.dirname(p) for ps in files.values()
-                                               for p in ps}))
+        where = place(group, ctx.facts.text_cache_dir if ctx.facts else None, files)
         subject = f"text embeddings ({family})" if family else "text embeddings"
         yield split_finding(RULE, where, ctx, subject, verdicts[(group, family)], _label, files)
 

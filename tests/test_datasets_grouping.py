@@ -291,3 +291,25 @@ def test_scan_and_fix_decide_alike_on_the_demo_cache(tmp_path: Path) -> None:
 
     write_demo(tmp_path / "demo")
     _agree(scan_paths(tmp_path / "demo", deep=True), [str(tmp_path / "demo")])
+
+
+def test_shape_and_embedding_splits_are_warnings_without_a_fix(tmp_path: Path) -> None:
+    from cachedoctor.fixtures.projects import simpletuner
+
+    written = images(tmp_path / "images", n_per_bucket=4, buckets=((128, 128),), caption=False)
+    bucket = tmp_path / "cache" / "latents" / "128x128"
+    bucket.mkdir(parents=True)
+    for i, (path, width, height, seed) in enumerate(written):  # 2 of each size in one bucket
+        save_latent(bucket / f"{path.stem}.pt", encode(path, width + 64 * (i % 2), height, seed))
+    text = tmp_path / "cache" / "text"
+    text.mkdir()
+    for n in range(4):  # 2 sdxl-sized and 2 flux-sized embeddings under one name scheme
+        save_latent(text / f"{n:032x}-sd3.pt", simpletuner.text_embeds(n, "flux" if n % 2 else "sdxl"))
+    report = scan_paths(tmp_path / "cache", jobs=2)
+    by_code = {f.code: f for f in report.findings}
+    assert set(by_code) == {"CD301", "CD305"}, report.findings
+    assert by_code["CD301"].path == str(tmp_path / "cache" / "latents")
+    assert by_code["CD301"].details["values"] == ["[4, 16, 16]", "[4, 16, 24]"]
+    assert by_code["CD305"].path == str(text)
+    assert all(f.severity == Severity.WARNING and f.fix is None for f in report.findings)
+    assert build_plan(report, cache_roots(resolve([str(tmp_path / "cache")]))).actions == ()
