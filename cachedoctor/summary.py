@@ -2,7 +2,8 @@
 
 A worker turns each cache file's FileMeta into a FileSummary (the few facts a dataset rule
 compares: primary latent shape, dtypes, text-embedding signature, devices, and what the
-trainer's naming says: bucket, expected latent size, model family). The main process appends
+trainer's naming says: bucket, expected latent size, model family, and in a bare tree the
+folder of the file's dataset, its group: rules compare files of one group only). The main process appends
 them to a SummaryStore (a temporary SQLite file that spills to disk) and each dataset rule
 streams its dataset's summaries back as often as it needs.
 
