@@ -60,7 +60,8 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: dict[tuple, Counter] = defaultdict(Counter)
     expected: dict[tuple, tuple[int, int]] = {}
     for g, n in view.tally().items():
-        if g.role == LATENT and g.bucket is not None and g.shape:
+        # dtype None: no floating latent (an int64 tensor is some other value, not a latent)
+        if g.role == LATENT and g.bucket is not None and g.shape and g.dtype is not None:
             key = (g.group, g.family, g.bucket)
             counts[key][g.shape] += n
             if g.expected is not None:
@@ -73,7 +74,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         return
     split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for s in view:
-        if s.role != LATENT or s.bucket is None or not s.shape:
+        if s.role != LATENT or s.bucket is None or not s.shape or s.dtype is None:
             continue
         key = (s.group, s.family, s.bucket)
         verdict = verdicts.get(key)

@@ -313,3 +313,19 @@ def test_shape_and_embedding_splits_are_warnings_without_a_fix(tmp_path: Path) -
     assert by_code["CD305"].path == str(text)
     assert all(f.severity == Severity.WARNING and f.fix is None for f in report.findings)
     assert build_plan(report, cache_roots(resolve([str(tmp_path / "cache")]))).actions == ()
+
+
+def test_a_non_latent_tensor_is_no_latent_for_shape_channel_and_dtype(tmp_path: Path) -> None:
+    """A bare int64 tensor (a saved `original_size`) among latents of a bucket folder is not
+    judged as a latent: no CD301, CD303 or CD304 for it."""
+    import torch
+
+    written = images(tmp_path / "images", n_per_bucket=3, buckets=((128, 128),), caption=False)
+    bucket = tmp_path / "cache" / "128x128"
+    bucket.mkdir(parents=True)
+    for path, width, height, seed in written:
+        save_latent(bucket / f"{path.stem}.pt", encode(path, width, height, seed))
+    torch.save(torch.tensor([128, 128]), bucket / "original_size.pt")
+    torch.save(torch.zeros(4, 16, 16, dtype=torch.int64), bucket / "ids.pt")
+    found = [f for f in scan_paths(tmp_path / "cache").findings if f.code in DATASET_RULES]
+    assert found == []
