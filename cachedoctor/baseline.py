@@ -11,7 +11,12 @@ fingerprint is in the baseline. The fingerprint is a hash of
   as canonical JSON, with absolute paths inside them made relative the same way, lists of
   strings taken as sets (a dataset rule may list files in any order), and clock readings left
   out: details whose key ends in `seconds`, `age`, `mtime` or `time` change while the defect
-  stays the same (CD104's lock file grows older on every run).
+  stays the same (CD104's lock file grows older on every run), and
+- no measure of how big the cache is: a finding about a whole dataset (CD304's dtypes, a split
+  of CD301/CD303/CD305, CD502's devices) must stay known while healthy files are added, so
+  details whose key ends in `files`, `count`, `counts` or `examples` (file lists, counts, a few
+  example files) are left out, and a tally (a mapping of names to numbers: dtype -> files) counts
+  by its names only. Per-file findings keep their path, so each new broken file is new.
 
 The message is not hashed: its wording may change between versions and it carries ages.
 A baseline is JSON: `{"version": 1, "tool": {...}, "findings": [{"code", "path", "fingerprint",
@@ -33,6 +38,8 @@ from cachedoctor.findings import Finding, Report, jsonable, printable
 
 VERSION = 1
 CLOCK_SUFFIXES = ("seconds", "age", "mtime", "time")
+SIZE_SUFFIXES = ("files", "count", "counts", "examples")  # grow with the cache, not the defect
+VOLATILE = CLOCK_SUFFIXES + SIZE_SUFFIXES
 
 
 class BaselineError(Exception):
@@ -46,7 +53,9 @@ def relative(path: str, base: str) -> str:
 
 def _evidence(value: Any, base: str) -> Any:
     if isinstance(value, dict):
-        return {k: _evidence(v, base) for k, v in value.items() if not k.endswith(CLOCK_SUFFIXES)}
+        if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+            return sorted(_evidence(k, base) for k in value)  # a tally: which, not how many
+        return _fields(value, base)
     if isinstance(value, list):
         items = [_evidence(v, base) for v in value]
         return sorted(items) if all(isinstance(v, str) for v in items) else items
@@ -55,10 +64,14 @@ def _evidence(value: Any, base: str) -> Any:
     return value
 
 
+def _fields(details: dict, base: str) -> dict:
+    return {k: _evidence(v, base) for k, v in details.items() if not k.endswith(VOLATILE)}
+
+
 def fingerprint(finding: Finding, base: str) -> str:
     """A stable identity of `finding`, paths taken relative to the directory `base`."""
     identity = [finding.code, relative(finding.path, base),
-                _evidence(jsonable(finding.details), base)]
+                _fields(jsonable(finding.details), base)]
     text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     import hashlib  # here, not at the top: OpenSSL's import is 3 ms of every scan's start
 

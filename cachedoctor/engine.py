@@ -203,7 +203,7 @@ def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
             facts = naming.cache(entry.path[cut:], meta)
             if facts.key is not None:
                 row = (key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0, facts.naming)
-    return row, summarize(entry, meta, facts, verdict.content if verdict else None)
+    return row, summarize(entry, meta, facts, verdict.content if verdict else None, naming.group)
 
 
 def _encode(dataset: str | None, summaries: list[FileSummary],

@@ -2,7 +2,8 @@
 
 A worker turns each cache file's FileMeta into a FileSummary (the few facts a dataset rule
 compares: primary latent shape, dtypes, text-embedding signature, devices, and what the
-trainer's naming says: bucket, expected latent size, model family). The main process appends
+trainer's naming says: bucket, expected latent size, model family, and in a bare tree the
+folder of the file's dataset, its group: rules compare files of one group only). The main process appends
 them to a SummaryStore (a temporary SQLite file that spills to disk) and each dataset rule
 streams its dataset's summaries back as often as it needs.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import marshal
+import os
 import re
 import sqlite3
 from collections import Counter
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.inventory import LATENT, TEXT, Entry
+from cachedoctor.layouts.base import text_family
 
 if TYPE_CHECKING:
     from cachedoctor.layouts.base import CacheFacts
@@ -55,6 +58,16 @@ class FileSummary(NamedTuple):
     locations: tuple[str, ...]
     expected: tuple[int, int] | None = None  # (h, w) the trainer's bucket needs
     family: str | None = None  # model family / architecture the naming tells
+    group: str | None = None  # the folder of its dataset in a bare tree (see layouts/bare.py)
+
+
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def is_floating(dtype: str | None) -> bool:
+    """A dtype a latent or an embedding is stored in (float8 formats included); not an int64
+    `original_size`, a bool mask or token ids."""
+    return dtype is not None and (dtype in FLOATING or dtype.startswith("float8"))
 
 
 def primary_latent(meta: FileMeta) -> TensorMeta | None:
@@ -122,26 +135,34 @@ def content(entry_role: str, meta: FileMeta) -> Content | None:
             ("/".join(map(str, t.path)) or "<root>", t.shape[-1] if t.shape else None)
             for t in meta.tensors
         ))
-    first = latent or meta.tensors[0]
+    # Only a latent's own dtype (or an embedding's first floating tensor's) is compared: an
+    # int64 `original_size` beside kohya's latents, or a mask, says nothing about precision.
+    if role == LATENT:
+        dtype = latent.dtype if latent is not None and is_floating(latent.dtype) else None
+    else:
+        dtype = next((t.dtype for t in meta.tensors if is_floating(t.dtype)), None)
     tensors = meta.tensors
     locations = (tensors[0].location,) if len(tensors) == 1 else meta.locations
-    return Content(role, latent.shape if latent else None, first.dtype, signature, locations)
+    return Content(role, latent.shape if latent else None, dtype, signature, locations)
 
 
 def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
-              known: Content | None = None) -> FileSummary | None:
+              known: Content | None = None, group: str | None = None) -> FileSummary | None:
     """The summary of a readable tensor file, or None for anything else. `facts` (from the
     trainer's naming) give a latent's bucket and expected size; without them the walk's
-    folder bucket stands. `known`: the file's content(), when the caller has it already."""
+    folder bucket stands. `known`: the file's content(), when the caller has it already.
+    `group`: the dataset folder a bare tree's naming puts the file's folder in."""
     held = known if known is not None else content(entry.role, meta)
     if held is None:
         return None
     bucket, expected, family = entry.bucket, None, None
     if facts is not None and held.role == LATENT:
         bucket, expected, family = facts.bucket, facts.expected, facts.family
+    elif held.role == TEXT:
+        family = text_family(entry.path[entry.path.rfind(os.sep) + 1:])
     return FileSummary(entry.path, entry.dataset, bucket, held.role, meta.format, meta.size,
                        meta.mtime, held.shape, held.dtype, held.signature, held.locations,
-                       expected, family)
+                       expected, family, group)
 
 
 class SummaryStore:
@@ -216,6 +237,7 @@ class Group(NamedTuple):
     format: str
     locations: tuple[str, ...]
     signature: tuple[tuple[str, int | None], ...]
+    group: str | None
 
 
 _group = attrgetter(*Group._fields)  # a summary's Group, as a plain tuple

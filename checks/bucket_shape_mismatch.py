@@ -4,7 +4,11 @@ comes from the trainer's own metadata: SimpleTuner's `aspect_ratio_bucket_*.json
 kohya's npz names with the dataset's bucket settings, OneTrainer's `crop_resolution` in
 `aggregate.pt`, ai-toolkit's crop size in the safetensors header; in a bare cache dir, each
 sub-folder is a bucket (files directly in the dir are not: a SimpleTuner VAE cache holds every
-aspect ratio in one flat folder). The finding names the bucket's majority shape.
+aspect ratio in one flat folder). Which shape is right: where the trainer's metadata gives the
+bucket's size, the one shape of that size (evidence, whatever the counts); else a clear majority
+(at least 2/3 of the bucket's latents). Files of another shape are reported, naming the right
+one. Without either (3 against 2, no metadata) the bucket's split is one warning naming both
+shapes, and `fix` leaves it alone.
 
 ## Why is this bad?
 Trainers batch latents of one bucket and stack them: one latent of another shape stops
@@ -21,8 +25,10 @@ CD301 error cache/vae/sdxl/photos/9c0d…41.pt
 ```
 
 ## Fix
-`cachedoctor fix` quarantines the minority files; `--reencode` encodes them again at the
-bucket's size (the trainer also re-encodes missing entries on its next caching pass).
+`cachedoctor fix` quarantines the minority files of a clear majority; `--reencode` encodes them
+again at the bucket's size (the trainer also re-encodes missing entries on its next caching
+pass). A split is yours to settle: the bucket's expected size (CD302) often tells which side is
+right.
 """
 
 from __future__ import annotations
@@ -32,51 +38,65 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import LATENT
+from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import shape_text
 
 
-def majority(counts: Counter, expected: tuple[int, int] | None) -> tuple:
-    """The most common shape; on a tie, the one of the expected size, else the first seen."""
-    ranked = counts.most_common()
-    top = ranked[0][1]
-    tied = [shape for shape, n in ranked if n == top]
+def judge(counts: Counter, expected: tuple[int, int] | None) -> Verdict | None:
+    """The bucket's verdict: the one shape of the trainer's expected size when there is one,
+    else decide()'s clear majority or split."""
+    if len(counts) < 2:
+        return None
     if expected is not None:
-        for shape in tied:
-            if tuple(shape[-2:]) == expected:
-                return shape
-    return tied[0]
+        fitting = [shape for shape in counts if tuple(shape[-2:]) == expected]
+        if len(fitting) == 1:
+            return Verdict(fitting[0], counts, sum(counts.values()))
+    return decide(counts)
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: dict[tuple, Counter] = defaultdict(Counter)
     expected: dict[tuple, tuple[int, int]] = {}
     for g, n in view.tally().items():
-        if g.role == LATENT and g.bucket is not None and g.shape:
-            group = (g.family, g.bucket)
-            counts[group][g.shape] += n
+        # dtype None: no floating latent (an int64 tensor is some other value, not a latent)
+        if g.role == LATENT and g.bucket is not None and g.shape and g.dtype is not None:
+            key = (g.group, g.family, g.bucket)
+            counts[key][g.shape] += n
             if g.expected is not None:
-                expected.setdefault(group, g.expected)
-    mixed = {g: majority(c, expected.get(g)) for g, c in counts.items() if len(c) > 1}
-    if not mixed:
+                expected.setdefault(key, g.expected)
+    verdicts: dict[tuple, Verdict] = {}
+    for key, c in counts.items():
+        if (verdict := judge(c, expected.get(key))) is not None:
+            verdicts[key] = verdict
+    if not verdicts:
         return
+    split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for s in view:
-        if s.role != LATENT or s.bucket is None or not s.shape:
+        if s.role != LATENT or s.bucket is None or not s.shape or s.dtype is None:
             continue
-        group = (s.family, s.bucket)
-        major = mixed.get(group)
-        if major is None or s.shape == major:
+        key = (s.group, s.family, s.bucket)
+        verdict = verdicts.get(key)
+        if verdict is None:
             continue
-        total = sum(counts[group].values())
-        n = counts[group][major]
-        yield RULE.finding(
-            s.path,
-            f"shape {shape_text(s.shape)} differs from bucket {s.bucket}: {n:,} of {total:,} "
-            f"latents there are {shape_text(major)}",
-            ctx, bucket=s.bucket, shape=list(s.shape), majority_shape=list(major),
-            majority_files=n, bucket_files=total,
-        )
+        if verdict.split:
+            keep(split[key][s.shape], s.path)
+        elif s.shape != verdict.major:
+            n = verdict.counts[verdict.major]
+            yield RULE.finding(
+                s.path,
+                f"shape {shape_text(s.shape)} differs from bucket {s.bucket}: {n:,} of "
+                f"{verdict.total:,} latents there are {shape_text(verdict.major)}"
+                + (", the size the trainer's bucket needs"
+                   if expected.get(key) == tuple(verdict.major[-2:]) else ""),
+                ctx, bucket=s.bucket, shape=list(s.shape), majority_shape=list(verdict.major),
+                majority_files=n, bucket_files=verdict.total,
+            )
+    for key, files in sorted(split.items(), key=lambda kv: str(kv[0])):
+        where = place(key[0], ctx.facts.latent_cache_dir if ctx.facts else None, files)
+        yield split_finding(RULE, where, ctx, f"latents of bucket {key[2]}", verdicts[key],
+                            shape_text, files, bucket=key[2])
 
 
 RULE = Rule(

@@ -1,9 +1,12 @@
 """## What it does
-Reports a cache whose latents (or whose text embeddings) were saved in more than one dtype:
-`bfloat16` files among `float16` ones, `float32` among `bfloat16`. Latents and embeddings are
-judged apart, caches that keep model families apart by name per family, and files of different
+Reports a dataset whose latents (or whose text embeddings) were saved in more than one dtype:
+`bfloat16` files among `float16` ones, `float32` among `bfloat16`. Only a latent's own dtype
+counts (not an int64 `original_size` or a mask beside it); latents and embeddings are judged
+apart, each dataset apart (a trainer config's dataset; in a bare tree, each folder of cache
+files), caches that keep model families apart by name per family, and files of different
 formats apart (kohya's npz is always float32, whatever the torch files beside it hold). One
-finding per cache, listing the files of the minority dtypes.
+finding per dataset: with a clear majority (at least 2/3 of the files) it lists the files of the
+other dtypes; below that it names both sides of the split.
 
 ## Why is this bad?
 Files of one cache should come from one encoder at one precision. Mixed dtypes mean two runs
@@ -30,6 +33,7 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import TORCH_LEGACY, TORCH_ZIP
 from cachedoctor.inventory import LATENT
+from cachedoctor.majority import Verdict, decide, ranked, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import count
@@ -38,47 +42,65 @@ MAX_LISTED = 1000
 CONTAINER = {TORCH_ZIP: "torch", TORCH_LEGACY: "torch"}  # one writer, two torch formats
 
 
+def _key(role: str, group: str | None, family: str | None, fmt: str) -> tuple:
+    return (role, group, family, CONTAINER.get(fmt, fmt))
+
+
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: dict[tuple, Counter] = defaultdict(Counter)
     for g, n in view.tally().items():
-        if g.dtype is not None:
-            counts[(g.role, g.family, CONTAINER.get(g.format, g.format))][g.dtype] += n
-    mixed = {g: c for g, c in counts.items() if len(c) > 1}
-    if not mixed:
+        if g.dtype is not None:  # None: no floating latent or embedding to judge
+            counts[_key(g.role, g.group, g.family, g.format)][g.dtype] += n
+    verdicts: dict[tuple, Verdict] = {}
+    for key, c in counts.items():
+        if (verdict := decide(c)) is not None:
+            verdicts[key] = verdict
+    if not verdicts:
         return
-    major = {g: c.most_common(1)[0][0] for g, c in mixed.items()}
-    minority: dict[tuple, list[str]] = defaultdict(list)
+    files: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     folders: dict[tuple, set[str]] = defaultdict(set)
     for s in view:
-        group = (s.role, s.family, CONTAINER.get(s.format, s.format))
-        if group not in mixed:
+        key = _key(s.role, s.group, s.family, s.format)
+        verdict = verdicts.get(key)
+        if verdict is None or s.dtype is None:
             continue
-        folders[group].add(os.path.dirname(s.path))
-        if s.dtype != major[group] and len(minority[group]) < MAX_LISTED:
-            minority[group].append(s.path)
-    common = {g: os.path.commonpath(sorted(f)) for g, f in folders.items()}
-    facts = ctx.facts
-    for group, dtype_counts in sorted(mixed.items(), key=lambda g: str(g[0])):
-        role, family, _ = group
+        folders[key].add(os.path.dirname(s.path))
+        listed = files[key][s.dtype]
+        if (verdict.split or s.dtype != verdict.major) and len(listed) < MAX_LISTED:
+            listed.append(s.path)
+    for key, verdict in sorted(verdicts.items(), key=lambda kv: str(kv[0])):
+        role, group, family, _ = key
         what = "latents" if role == LATENT else "text embeddings"
         if family:
             what += f" ({family})"
-        where = None
-        if facts is not None:
-            where = facts.latent_cache_dir if role == LATENT else facts.text_cache_dir
-            if where is not None and not common[group].startswith(where):
-                where = None
-        text = ", ".join(f"{d} ({count(n, 'file')})" for d, n in dtype_counts.most_common())
-        yield RULE.finding(where or common[group],
-                           f"{what} in {len(dtype_counts)} dtypes: {text}", ctx,
-                           dtypes=dict(dtype_counts), files=minority[group])
+        where = group or _configured(ctx, role, folders[key]) or os.path.commonpath(
+            sorted(folders[key]))
+        if verdict.split:
+            yield split_finding(RULE, where, ctx, f"{what} dtypes", verdict, str, files[key])
+            continue
+        text = ", ".join(f"{d} ({count(n, 'file')})" for d, n in ranked(verdict.counts))
+        minority = sorted(p for d, ps in files[key].items() if d != verdict.major for p in ps)
+        yield RULE.finding(where, f"{what} in {len(verdict.counts)} dtypes: {text}", ctx,
+                           dtypes=sorted(verdict.counts), majority_dtype=verdict.major,
+                           counts=dict(verdict.counts), files=minority)
+
+
+def _configured(ctx: RuleContext, role: str, folders: set[str]) -> str | None:
+    """The trainer config's cache dir of `role`, when the files are under it."""
+    facts = ctx.facts
+    if facts is None:
+        return None
+    where = facts.latent_cache_dir if role == LATENT else facts.text_cache_dir
+    if where is None or not os.path.commonpath(sorted(folders)).startswith(where):
+        return None
+    return where
 
 
 RULE = Rule(
     code="CD304",
     name="mixed-dtypes",
     severity=Severity.WARNING,
-    summary="tensors of one cache disagree in dtype",
+    summary="tensors of one dataset disagree in dtype",
     doc=__doc__,
     check_dataset=check_dataset,
 )

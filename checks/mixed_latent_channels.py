@@ -1,7 +1,12 @@
 """## What it does
-Reports latents whose channel count differs from the rest of their cache: 4-channel latents
-(SD 1.x, SDXL VAEs) among 16-channel ones (SD3, Flux) or the reverse. Caches that keep several
-model families apart by name (kohya's `_sdxl.npz` beside `_flux.npz`) are compared per family.
+Reports latents whose channel count differs from the rest of their dataset: 4-channel latents
+(SD 1.x, SDXL VAEs) among 16-channel ones (SD3, Flux) or the reverse. Only latents are counted
+(not text embeddings, not an `original_size` beside them), only within one dataset (a trainer
+config's dataset; in a bare tree, each folder of cache files, see the README's grouping rule),
+and caches that keep model families apart by name (kohya's `_sdxl.npz` beside `_flux.npz`)
+per family. A file is reported only when the other channel count holds a clear majority: at
+least 2/3 of the latents. Below that (5 against 5) nothing says which side is foreign: the
+split is one warning naming both sides, and `fix` leaves it alone.
 
 ## Why is this bad?
 A cache of two VAE families has been written by two runs with different models into one place.
@@ -12,12 +17,18 @@ latents of a space it was never made for.
 ## Example
 ```
 CD303 error cache/vae/flux/photos/3fa1…e2.pt
-      4 channels where 212 of 220 latents in this cache have 16: a latent of another VAE family
+      4 channels where 212 of 220 latents in this dataset have 16: a latent of another VAE family
+CD303 warning cache/vae/mixed
+      latents split with no clear majority: 16 channels: 5 files (0a1f….pt, 3c9e….pt, 7d20….pt,
+      …); 4 channels: 5 files (1b2c….pt, 5e6f….pt, 9a0b….pt, …). Neither side is known to be
+      the foreign one (a clear majority holds 2/3 of the files): check which is right; fix
+      leaves them alone
 ```
 
 ## Fix
-`cachedoctor fix` quarantines the minority files; `--reencode` encodes them again with the
-model's VAE. Give each model family a cache dir of its own (SimpleTuner's default
+`cachedoctor fix` quarantines the minority files of a clear majority; `--reencode` encodes them
+again with the model's VAE. A split is yours to settle: move one family's files to a cache dir
+of its own. Give each model family a cache dir of its own (SimpleTuner's default
 `{output_dir}/cache/vae/{model_family}/{id}` does).
 """
 
@@ -28,6 +39,7 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import LATENT
+from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -41,34 +53,50 @@ def channels(shape: tuple[int, ...]) -> int | None:
     return None
 
 
+def _counted(shape: tuple[int, ...] | None, dtype: str | None) -> int | None:
+    # a summary's dtype is None unless its latent is floating: an int tensor is no latent
+    return channels(shape) if shape and dtype is not None else None
+
+
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    counts: dict[str | None, Counter] = defaultdict(Counter)
+    counts: dict[tuple, Counter] = defaultdict(Counter)
     for g, n in view.tally().items():
-        if g.role == LATENT and g.shape and channels(g.shape) is not None:
-            counts[g.family][channels(g.shape)] += n
-    mixed = {f: c.most_common(1)[0][0] for f, c in counts.items() if len(c) > 1}
-    if not mixed:
+        c = _counted(g.shape, g.dtype)
+        if g.role == LATENT and c is not None:
+            counts[(g.group, g.family)][c] += n
+    verdicts: dict[tuple, Verdict] = {}
+    for key, c in counts.items():
+        if (verdict := decide(c)) is not None:
+            verdicts[key] = verdict
+    if not verdicts:
         return
+    split: dict[tuple, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for s in view:
-        if s.role != LATENT or not s.shape or s.family not in mixed:
+        c = _counted(s.shape, s.dtype) if s.role == LATENT else None
+        verdict = verdicts.get((s.group, s.family)) if c is not None else None
+        if verdict is None:
             continue
-        c, major = channels(s.shape), mixed[s.family]
-        if c is None or c == major:
-            continue
-        total = sum(counts[s.family].values())
-        yield RULE.finding(
-            s.path,
-            f"{c} channels where {counts[s.family][major]:,} of {total:,} latents in this cache "
-            f"have {major}: a latent of another VAE family",
-            ctx, channels=c, majority_channels=major, shape=list(s.shape),
-        )
+        if verdict.split:
+            keep(split[(s.group, s.family)][c], s.path)
+        elif c != verdict.major:
+            yield RULE.finding(
+                s.path,
+                f"{c} channels where {verdict.counts[verdict.major]:,} of {verdict.total:,} "
+                f"latents in this dataset have {verdict.major}: a latent of another VAE family",
+                ctx, channels=c, majority_channels=verdict.major, shape=list(s.shape),
+            )
+    for (group, family), files in sorted(split.items(), key=lambda kv: str(kv[0])):
+        where = place(group, ctx.facts.latent_cache_dir if ctx.facts else None, files)
+        subject = f"latents ({family})" if family else "latents"
+        yield split_finding(RULE, where, ctx, subject, verdicts[(group, family)],
+                            lambda c: f"{c} channels", files)
 
 
 RULE = Rule(
     code="CD303",
     name="mixed-latent-channels",
     severity=Severity.ERROR,
-    summary="latents of one cache disagree in channel count (4 vs 16: two VAE families)",
+    summary="latents of one dataset disagree in channel count (4 vs 16: two VAE families)",
     doc=__doc__,
     fix="quarantine",
     check_dataset=check_dataset,

@@ -1,8 +1,12 @@
 """## What it does
-Reports text-embedding files whose keys or feature sizes differ from the rest of their cache:
+Reports text-embedding files whose keys or feature sizes differ from the rest of their dataset:
 `prompt_embeds` of 4096 features among files of 2048 (a T5 cache among CLIP ones), or files
 with `pooled_prompt_embeds` among files without. Sequence lengths (masks, token ids) may vary
-and are not compared.
+and are not compared. Only embeddings of one dataset are compared (a trainer config's text
+cache; in a bare tree, each folder of cache files), of one model family where the names tell
+it (SimpleTuner's `-<family>.pt`, kohya's `_<arch>_te.npz` beside `_te_outputs.npz`), and a
+file is reported only when the other signature holds a clear majority (at least 2/3 of the
+embeddings). Below that the split is one warning naming both sides, and `fix` leaves it alone.
 
 ## Why is this bad?
 The embeddings of one cache feed one model: files of another text encoder (another model
@@ -13,22 +17,24 @@ raises `KeyError` in the trainer's collate function.
 ## Example
 ```
 CD305 error cache/text/flux/10f34c853ae35b374b489315e55183a4-flux.pt
-      keys or sizes differ from 40 of 42 embeddings in this cache: prompt_embeds has 2048
+      keys or sizes differ from 40 of 42 embeddings in this dataset: prompt_embeds has 2048
       features (4096 in the others); pooled_prompt_embeds has 1280 features (768 in the others)
 ```
 
 ## Fix
-`cachedoctor fix` quarantines the minority files; the trainer encodes the captions again.
+`cachedoctor fix` quarantines the minority files of a clear majority; the trainer encodes the
+captions again. A split is yours to settle: give each text encoder a cache dir of its own.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import TEXT
+from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -51,34 +57,48 @@ def describe(theirs: tuple, ours: tuple) -> str:
     return "; ".join(parts)
 
 
+def _label(signature: tuple) -> str:
+    return ", ".join(f"{k}[{d}]" if d is not None else k for k, d in signature) or "<none>"
+
+
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    counts: Counter = Counter()
+    counts: dict[tuple, Counter] = defaultdict(Counter)
     for g, n in view.tally().items():
         if g.role == TEXT and g.signature:
-            counts[normalized(g.signature)] += n
-    if len(counts) < 2:
+            counts[(g.group, g.family)][normalized(g.signature)] += n
+    verdicts: dict[tuple, Verdict] = {}
+    for key, c in counts.items():
+        if (verdict := decide(c)) is not None:
+            verdicts[key] = verdict
+    if not verdicts:
         return
-    major, n = counts.most_common(1)[0]
-    total = sum(counts.values())
+    split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for s in view:
-        if s.role != TEXT or not s.signature:
+        verdict = verdicts.get((s.group, s.family)) if s.role == TEXT and s.signature else None
+        if verdict is None:
             continue
         mine = normalized(s.signature)
-        if mine == major:
-            continue
-        yield RULE.finding(
-            s.path,
-            f"keys or sizes differ from {n:,} of {total:,} embeddings in this cache: "
-            f"{describe(major, mine)}",
-            ctx, signature=[list(k) for k in mine], majority_signature=[list(k) for k in major],
-        )
+        if verdict.split:
+            keep(split[(s.group, s.family)][mine], s.path)
+        elif mine != verdict.major:
+            yield RULE.finding(
+                s.path,
+                f"keys or sizes differ from {verdict.counts[verdict.major]:,} of {verdict.total:,} "
+                f"embeddings in this dataset: {describe(verdict.major, mine)}",
+                ctx, signature=[list(k) for k in mine],
+                majority_signature=[list(k) for k in verdict.major],
+            )
+    for (group, family), files in sorted(split.items(), key=lambda kv: str(kv[0])):
+        where = place(group, ctx.facts.text_cache_dir if ctx.facts else None, files)
+        subject = f"text embeddings ({family})" if family else "text embeddings"
+        yield split_finding(RULE, where, ctx, subject, verdicts[(group, family)], _label, files)
 
 
 RULE = Rule(
     code="CD305",
     name="text-embed-mismatch",
     severity=Severity.ERROR,
-    summary="text-embedding files of one cache disagree in keys or feature sizes (two model families)",
+    summary="text-embedding files of one dataset disagree in keys or feature sizes (two model families)",
     doc=__doc__,
     fix="quarantine",
     check_dataset=check_dataset,

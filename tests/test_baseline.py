@@ -118,3 +118,27 @@ def test_fingerprint_is_code_relative_path_and_evidence_without_clock() -> None:
     assert fingerprint(base, "/a") != fingerprint(_finding("/a/cache/y.pt", wasted_bytes=10), "/a")
     assert fingerprint(_finding("/a/x.pt", shape=[4, 64, 32]), "/a") != fingerprint(
         _finding("/a/x.pt", shape=[4, 32, 64]), "/a")
+
+
+def test_fingerprint_leaves_out_what_grows_with_the_cache() -> None:
+    """A dataset-wide finding keeps its fingerprint when healthy files are added: file lists,
+    counts and example files are left out, and a tally counts by its names only."""
+
+    def cd304(**details) -> Finding:
+        return Finding("CD304", "mixed-dtypes", Severity.WARNING, "/a/cache", "m", details=details)
+
+    small = cd304(dtypes=["bfloat16", "float32"], counts={"bfloat16": 9, "float32": 1},
+                  files=["/a/cache/x.pt"], majority_files=9, examples={"float32": ["/a/cache/x.pt"]})
+    grown = cd304(dtypes=["bfloat16", "float32"], counts={"bfloat16": 90, "float32": 1},
+                  files=["/a/cache/x.pt", "/a/cache/y.pt"], majority_files=90, examples={})
+    assert fingerprint(small, "/a") == fingerprint(grown, "/a")
+    other = cd304(dtypes=["bfloat16", "float16"], counts={"bfloat16": 9, "float16": 1})
+    assert fingerprint(small, "/a") != fingerprint(other, "/a")
+    # a tally of devices: which devices, not how many files each
+    assert fingerprint(cd304(locations={"cpu": 3, "cuda:0": 1}), "/a") == fingerprint(
+        cd304(locations={"cpu": 30, "cuda:0": 1}), "/a")
+    assert fingerprint(cd304(locations={"cpu": 3, "cuda:0": 1}), "/a") != fingerprint(
+        cd304(locations={"cpu": 3, "cuda:1": 1}), "/a")
+    # top-level numbers are evidence, not a tally
+    assert fingerprint(_finding("/a/x.pt", wasted_bytes=10), "/a") != fingerprint(
+        _finding("/a/x.pt", wasted_bytes=11), "/a")

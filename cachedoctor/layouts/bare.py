@@ -13,6 +13,15 @@ or place shows a trainer's own layout, whose bucket semantics then apply:
 - `variation-<n>/<i>.pt` (OneTrainer): `crop_resolution` from the folder's `aggregate.pt`, or
   no bucket without one;
 - `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders).
+
+A tree is not one dataset: every folder that holds cache files is a dataset of its own (the
+dataset rules compare files of one dataset only), so that `cache/vae/sdxl/photos` and
+`cache/vae/flux/photos`, as SimpleTuner's `{model_family}` paths lay them out, or two text
+caches, never judge each other. A folder belongs to its parent's dataset only where a layout
+says it is part of one: a bucket folder (`1024x1024`, `768x1344`, an aspect ratio such as
+`1.33`) and OneTrainer's `variation-<n>` (one variation of its sha256 group folder). A kohya
+image dir or train_data_dir is one dataset (kohya trains its `<repeats>_<name>` subsets as one),
+its files compared per architecture (`_sdxl.npz`, `_flux.npz`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from cachedoctor.layouts.base import ANY_DEVICE, NO_FACTS, CacheFacts, Dataset, 
 from cachedoctor.layouts.common import listdir, names, subdirs
 
 SHA256_PT = re.compile(r"^[0-9a-f]{64}\.pt$")
+# folders that are part of their parent's dataset: resolution and aspect buckets, OneTrainer
+# variations (mgds DiskCache: `<group sha256>/variation-<n>`)
+PART_OF_PARENT = re.compile(r"^(\d+x\d+|\d+\.\d+|variation-\d+)$")
 # mgds names a OneTrainer group folder by a sha256 hexdigest (Nerogar/mgds:
 # src/mgds/pipelineModules/DiskCache.py, `__string_key`): only such folders are looked into.
 GROUP = re.compile(r"^[0-9a-f]{64}$")
@@ -46,14 +58,23 @@ def layout(path: str) -> Layout:
     latent_caches = _aitoolkit_caches(path) if isdir else []
     if latent_caches:
         dataset = Dataset(name, cache_dirs=tuple(latent_caches), image_dirs=(path,),
-                          caches_beside_images=True, naming=BareNaming(frozen({})))
+                          caches_beside_images=True, naming=BareNaming(frozen({}), path))
         return Layout("bare", None, (dataset,))
     aggregates = _aggregates(path) if isdir else {}
-    naming = BareNaming(frozen(aggregates))
+    naming = BareNaming(frozen(aggregates), path)
     # OneTrainer saves from and loads to its train_device (mgds DiskCache: torch.save without
     # .cpu(), torch.load with map_location): without the config, any device is its own
     device = ANY_DEVICE if aggregates else None
     return Layout("bare", None, (Dataset(name, (path,), naming=naming, expected_device=device),))
+
+
+def dataset_folder(directory: str, root: str) -> str:
+    """The folder of the dataset `directory`'s files belong to: `directory` itself, or, for a
+    bucket or variation folder, the folder it is part of (never above `root`)."""
+    folder = directory
+    while len(folder) > len(root) and PART_OF_PARENT.match(os.path.basename(folder)):
+        folder = os.path.dirname(folder)
+    return folder
 
 
 def _kohya_image_dir(path: str) -> bool:
@@ -113,6 +134,7 @@ class BareNaming(Naming):
     """A cache dir without a config: folder buckets, and OneTrainer aggregates when present."""
 
     aggregates: Mapping[str, onetrainer.Samples]
+    root: str = ""  # the dir scanned (absolute): dataset folders stop there
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, bucket)
@@ -124,6 +146,7 @@ class _Directory(DirectoryNaming):
         base = os.path.basename(path)
         self.kind = None
         self.folder = CacheFacts(bucket=bucket)  # made once: most files get exactly this
+        self.group = dataset_folder(path, naming.root)
         if base == aitoolkit.LATENT_DIR:
             self.kind = "ai-toolkit"
         elif onetrainer.VARIATION.match(base):

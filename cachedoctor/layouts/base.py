@@ -15,6 +15,7 @@ CD409 report as findings pointing at the file and line; the rest of the config i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -100,9 +101,30 @@ class CacheFacts(NamedTuple):
 
 NO_FACTS = CacheFacts()
 
+# The model family a text-encoder cache file's name tells: SimpleTuner `<md5>-<family>.pt`,
+# kohya `<stem>_<arch>_te.npz` and SDXL's `<stem>_te_outputs.npz` (sd-scripts strategy_*.py).
+# Files of two families side by side (kohya keeps them beside the images) are compared apart.
+TEXT_FAMILY = re.compile(r"^[0-9a-f]{32}-(?P<family>[A-Za-z0-9_.]+)\.pt$"
+                         r"|_(?P<arch>[a-z0-9]+)_te\.npz$|(?P<sdxl>_te_outputs\.npz)$")
+
+
+def text_family(name: str) -> str | None:
+    """The model family in a text-encoder cache file's name, or None."""
+    match = TEXT_FAMILY.search(name)
+    if match is None:
+        return None
+    return match["family"] or match["arch"] or "sdxl"
+
 
 class DirectoryNaming:
-    """A Naming bound to one directory (made once per batch of files, in the worker)."""
+    """A Naming bound to one directory (made once per batch of files, in the worker).
+
+    `group`: where a layout holds several datasets of its own (a bare tree: one per folder of
+    cache files), the folder of the dataset this directory's files belong to; the dataset rules
+    compare only files of one group. None: the layout's dataset is one group.
+    """
+
+    group: str | None = None
 
     def __init__(self, bucket: str | None = None) -> None:
         self.bucket = bucket
