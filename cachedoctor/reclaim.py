@@ -2,12 +2,13 @@
 the result's "shrank by".
 
 Bytes are apparent sizes (`st_size`, what `du --apparent-size --bytes` adds up), not allocated
-blocks: they are what the file holds on any file system, and the same before a copy and after.
-A file's bytes count once, under the one action a repair takes on it: its whole size when a
+blocks: they are what the file holds on any file system, and the same before a copy and after. A
+file's bytes count once, under the one action a repair takes on it: its whole size when a
 finding quarantines it (broken or hostile wins), else the bytes a compact drops (CD201's
-estimate), else nothing (a to-cpu rewrite changes a few bytes of device names: the result says
-how many). Quarantined and replaced originals stay on disk, in the cache's quarantine, until
-`cachedoctor purge` deletes them: the cache shrinks by this number only then.
+estimate of the storage nobody uses, scaled by a gzip file's compression), else nothing (a to-
+cpu rewrite changes a few bytes of device names: the result says how many). Quarantined and
+replaced originals stay on disk, in the cache's quarantine, until `cachedoctor purge` deletes
+them: the cache shrinks by this number only then.
 
 By default `fix` acts on findings at warning or above (`--include-info` adds info ones), and so
 does this count.
@@ -25,6 +26,7 @@ from cachedoctor.findings import Severity
 QUARANTINE, COMPACT, TO_CPU = "quarantine", "compact", "to-cpu"
 FIXES = (QUARANTINE, COMPACT, TO_CPU)  # the order one file's action is chosen in
 RECENT = interrupted_write.RECENT_SECONDS
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 class _Finding(Protocol):
@@ -52,13 +54,30 @@ def kind_of(fixes: Iterable[str | None]) -> str:
     return next(k for k in FIXES if k in fixes)
 
 
-def freed(kind: str, size: int, findings: Iterable[_Finding]) -> int:
-    """Bytes the cache shrinks by (after purge) when `kind` acts on a file of `size` bytes."""
+def freed(kind: str, size: int, findings: Iterable[_Finding], path: str | None = None) -> int:
+    """Bytes the cache shrinks by (after purge) when `kind` acts on the file `path` of `size`
+    bytes."""
     if kind == QUARANTINE:
         return size
     if kind == COMPACT:
-        return sum(int(f.details.get("wasted_bytes", 0)) for f in findings)
+        wasted = sum(int(f.details.get("wasted_bytes", 0)) for f in findings)
+        return round(wasted * _disk_share(path)) if path else wasted
     return 0
+
+
+def _disk_share(path: str) -> float:
+    """Bytes on disk per byte of the torch stream: 1, or for a gzip file (SimpleTuner's
+    compressed caches; CD201 counts stream bytes) its compressed size over the uncompressed
+    size its trailer records (ISIZE, modulo 4 GiB: past that the estimate stays 1)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(2) != GZIP_MAGIC:
+                return 1.0
+            size = f.seek(-4, os.SEEK_END) + 4
+            stream = int.from_bytes(f.read(4), "little")
+    except (OSError, ValueError):
+        return 1.0
+    return size / stream if stream > size else 1.0
 
 
 def apparent_size(path: str) -> int:
@@ -81,5 +100,5 @@ def reclaimable(findings: Iterable[_Finding], include_info: bool = False) -> int
     total = 0
     for path, named in files.items():
         kind = kind_of(f.fix for f in named)
-        total += freed(kind, apparent_size(path) if kind == QUARANTINE else 0, named)
+        total += freed(kind, apparent_size(path) if kind == QUARANTINE else 0, named, path)
     return total

@@ -212,7 +212,7 @@ def _action(path: str, findings: list[Finding], root: str) -> Action:
     kind = reclaim.kind_of(f.fix for f in findings)
     size = os.stat(path).st_size
     codes = tuple(sorted({f.code for f in findings}))
-    return Action(kind, path, root, codes, size, reclaim.freed(kind, size, findings))
+    return Action(kind, path, root, codes, size, reclaim.freed(kind, size, findings, path))
 
 
 class _Reencodes:

@@ -81,7 +81,8 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
     if plan.left_out:
         out.write(f"Left out: {_findings(plan.left_out)} not acted on: --include-info acts on them\n")
     if plan.actions:
-        out.write(f"The cache files shrink by {human_bytes(plan.expected_freed_size)} once the run's "
+        about = "~" if plan.of_kind(COMPACT) else ""  # compact's share is CD201's estimate
+        out.write(f"The cache files shrink by {about}{human_bytes(plan.expected_freed_size)} once the run's "
                   "quarantine is purged: every file removed or replaced stays in "
                   "<cache>/.cachedoctor/quarantine/<run>/ until `cachedoctor purge RUN` deletes it; "
                   "until then `cachedoctor undo RUN` puts the run back.\n")
