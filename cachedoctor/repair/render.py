@@ -161,8 +161,7 @@ def render_runs(listed: Iterable[Listed], out: TextIO) -> None:
     rows = [("run", "started (UTC)", "state", "actions", "cache")]
     for s in listed:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.run.started))
-        actions = ", ".join(f"{kind} {sum(c.values())} ({', '.join(f'{n} {w}' for w, n in c.items())})"
-                            for kind, c in s.counts.items())
+        actions = ", ".join(f"{kind} {sum(c.values())}" + _states(c) for kind, c in s.counts.items())
         state = s.run.state + (", purged" if s.purged is not None else "")
         rows.append((s.run.run_id, started, state, actions or "-", display_path(s.root)))
     if len(rows) == 1:
@@ -187,6 +186,13 @@ def render_interrupted(run_id: str, accounts: Iterable[Account], targets: Sequen
               + (f" ({flight} half-done: the next fix or undo rolls {'it' if flight == 1 else 'them'} back)"
                  if flight else "") + ".\n"
               f"Finish it: `{command}` (it plans what is left); undo it: `cachedoctor undo {run_id}`.\n")
+
+
+def _states(counts: collections.Counter) -> str:
+    """' (361 done, 1 rolled back, 2638 not started)'; nothing when every one is done."""
+    if set(counts) == {"done"}:
+        return ""
+    return f" ({', '.join(f'{n} {w}' for w, n in counts.items())})"
 
 
 def _files(n: int) -> str:
