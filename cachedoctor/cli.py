@@ -427,18 +427,18 @@ def _interrupted(run_id: str | None, roots: tuple[str, ...], targets: list[str])
     from cachedoctor.repair.history import accounts
     from cachedoctor.repair.render import render_interrupted
 
-    if run_id is None:  # stopped before the run's first change
-        typer.echo(CANCELLED, err=True)
-        return EXIT_INTERRUPTED
     held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        recover_caches(roots)
+        recover_caches(roots)  # also settles a run journaled but stopped before its first change
     except Exception as exc:  # the next fix or undo recovers it: say so, never a traceback
         typer.echo(f"cachedoctor: could not roll back the action under way ({exc}): the next "
                    f"`cachedoctor fix` or `cachedoctor undo {run_id}` does", err=True)
     finally:
         for s, handler in held.items():
             signal.signal(s, handler)
+    if run_id is None:  # stopped before the run's first change
+        typer.echo(CANCELLED, err=True)
+        return EXIT_INTERRUPTED
     try:
         render_interrupted(run_id, accounts(roots, run_id), targets, sys.stdout)
     except BrokenPipeError:

@@ -182,8 +182,8 @@ def render_interrupted(run_id: str, accounts: Iterable[Account], targets: Sequen
     waiting = sum(a.not_started for a in accounts)
     command = "cachedoctor fix " + " ".join(shlex.quote(display_path(t)) for t in targets)
     out.write(f"Interrupted: run {run_id} stopped after {done} action{'s' * (done != 1)} done"
-              f"; {back} rolled back; {waiting + flight} not done"
-              + (f" ({flight} half-done: the next fix or undo rolls {'it' if flight == 1 else 'them'} back)"
+              f"; {back} rolled back; {waiting} not started"
+              + (f"; {flight} half-done (the next fix or undo rolls {'it' if flight == 1 else 'them'} back)"
                  if flight else "") + ".\n"
               f"Finish it: `{command}` (it plans what is left); undo it: `cachedoctor undo {run_id}`.\n")
 

@@ -150,7 +150,7 @@ def test_an_interrupted_fix_says_what_it_did_and_how_to_finish_or_undo(cache: Pa
     assert result.returncode == 130, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     run_id = RUN_ID.search(result.stdout).group(1)
-    assert f"Interrupted: run {run_id} stopped after 5 actions done; 1 rolled back; 6 not done." \
+    assert f"Interrupted: run {run_id} stopped after 5 actions done; 1 rolled back; 6 not started." \
            in result.stdout
     assert f"undo it: `cachedoctor undo {run_id}`" in result.stdout
     assert f"Finish it: `cachedoctor fix {cache}`" in result.stdout
