@@ -507,7 +507,7 @@ def undo(
 
 @app.command()
 def purge(
-    run_id: Annotated[str | None, typer.Argument(help="The run whose quarantine to delete.")] = None,
+    run_id: Annotated[str | None, typer.Argument(metavar="RUN", help="The run whose quarantine to delete.")] = None,
     older_than: Annotated[str | None, typer.Option(
         "--older-than", help="Every run started longer ago than this: 30d, 12h, 2w.")] = None,
     cache: Annotated[list[str] | None, typer.Option(
@@ -519,8 +519,8 @@ def purge(
     """Delete runs' quarantines for good: the cache shrinks by what the plan said, and those
     runs can no longer be undone.
 
-    Exit 0 when purged (or nothing to purge), 2 on a usage or environment error, 130 when
-    cancelled at the prompt.
+    Exit 0 when purged (or nothing to purge), 1 when some file could not be deleted, 2 on a
+    usage or environment error, 130 when cancelled at the prompt.
     """
     from cachedoctor.repair.journal import JournalError
     from cachedoctor.repair.lock import LockBusy
@@ -569,8 +569,11 @@ def purge(
     for p in done:
         for note in p.notes:
             typer.echo(note)
+        for why in p.failed:
+            typer.echo(f"cachedoctor: {why}", err=True)
         typer.echo(f"Purged run {p.target.run_id} in {p.target.root}: {p.target.files} file(s), "
-                   f"{human_bytes(p.target.bytes)} freed.")
+                   f"{human_bytes(p.target.bytes)} freed" + (" (not all: see above)." if p.failed else "."))
+    raise typer.Exit(EXIT_FINDINGS if any(p.failed for p in done) else 0)
 
 
 DEMO_MARKER = Path(".cachedoctor") / "demo"

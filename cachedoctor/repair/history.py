@@ -30,10 +30,10 @@ for _state in IN_FLIGHT:
     WORDS[_state] = "in flight"
 
 
-def word(state: str, kind_error: str | None = None) -> str:
+def word(state: str, error: str | None = None) -> str:
     """The listing's word for an action state (a skip with a reason was judged, not skipped by
     an interruption: "skipped")."""
-    if state == SKIPPED and kind_error:
+    if state == SKIPPED and error:
         return "skipped"
     return WORDS.get(state, state)
 

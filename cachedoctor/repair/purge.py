@@ -135,6 +135,7 @@ def undo_target(run_id: str | None, roots: Iterable[str] | None = None) -> str |
 class Purged:
     target: Target
     notes: tuple[str, ...]  # what recovering an interrupted run did first
+    failed: tuple[str, ...] = ()  # what could not be deleted (the first of them)
 
 
 def purge(chosen: list[Target], wait: float = 0.0) -> list[Purged]:
@@ -154,7 +155,8 @@ def purge(chosen: list[Target], wait: float = 0.0) -> list[Purged]:
                     journal.conn.execute("INSERT OR REPLACE INTO purged VALUES (?, ?, ?, ?)",
                                          (target.run_id, time.time(), files, size))
             failed = _delete(target.directory)
-            out.append(Purged(Target(target.root, target.run_id, files, size), tuple(notes + failed[:1])))
+            out.append(Purged(Target(target.root, target.run_id, files, size), tuple(notes),
+                              tuple(failed[:1])))
     return out
 
 
