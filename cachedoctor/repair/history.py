@@ -22,6 +22,7 @@ from cachedoctor.repair.journal import (
     RunRecord,
 )
 from cachedoctor.repair.plan import QUARANTINE, REENCODE
+from cachedoctor.repair.purge import purged_in
 
 # How a listing words each action state: never "planned" for an action that finished.
 WORDS = {DONE: "done", FAILED: "failed (rolled back)", ROLLED_BACK: "rolled back",
@@ -86,8 +87,6 @@ class Listed:
 
 def listing(roots: Iterable[str]) -> list[Listed]:
     """Every run in the journals of `roots`, oldest first."""
-    from cachedoctor.repair.purge import purged_in
-
     out = []
     for root in roots:
         journal = Journal.existing(root)
