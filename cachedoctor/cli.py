@@ -276,6 +276,8 @@ def fix(
         help="For --reencode: reference | module:callable | diffusers:PATH.")] = None,
     wait: Annotated[float, typer.Option(help="Wait this many seconds for another fix or undo "
                                              "on the same cache (default: fail at once).")] = 0.0,
+    include_info: Annotated[bool, typer.Option(
+        "--include-info", help="Act on info findings too (CD405 orphans); default: warning and above.")] = False,
     list_runs: Annotated[bool, typer.Option("--list-runs", help="List the runs (of TARGETs' caches, "
                                             "or of every cache you fixed) and exit.")] = False,
     jobs: Annotated[int | None, typer.Option("-j", "--jobs", help="Scan worker processes.")] = None,
@@ -283,8 +285,9 @@ def fix(
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
 
-    Exit 0 when every action was applied (or there was nothing to do), 1 when some action
-    failed and was rolled back, 2 on a usage or environment error.
+    Acts on findings at warning or above (--include-info adds info ones). Exit 0 when every
+    action was applied (or there was nothing to do), 1 when some action failed and was rolled
+    back, 2 on a usage or environment error, 130 when cancelled or interrupted (Ctrl-C, SIGTERM).
     """
     from cachedoctor.layouts import TargetError, resolve
     from cachedoctor.repair.caches import cache_roots
@@ -296,10 +299,11 @@ def fix(
     except (TargetError, ValueError) as exc:
         raise fail(str(exc)) from None
     if list_runs:
+        from cachedoctor.repair.history import listing
+        from cachedoctor.repair.index import known_roots
         from cachedoctor.repair.render import render_runs
-        from cachedoctor.repair.undo import list_runs as runs_of
 
-        render_runs(runs_of(roots), sys.stdout)
+        render_runs(listing(roots if roots is not None else known_roots()), sys.stdout)
         return
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file), or --list-runs")
@@ -322,11 +326,15 @@ def fix(
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
     reencoding = Reencode.of(chosen, layouts) if chosen is not None else None
-    raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose))
+    raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose, include_info))
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+CANCELLED = "cancelled: nothing changed"
 
 
 def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reencode: Reencode | None,
-         dry_run: bool, yes: bool, wait: float, verbose: bool) -> int:
+         dry_run: bool, yes: bool, wait: float, verbose: bool, include_info: bool = False) -> int:
     import contextlib
 
     from cachedoctor.engine import scan as run_scan
@@ -345,7 +353,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
             else:
                 _pending_notes(roots)
             report = run_scan(targets, options)
-            plan = build_plan(report, roots, reencode)
+            plan = build_plan(report, roots, reencode, include_info=include_info)
             render_plan(plan, sys.stdout, verbose=verbose)
             if not plan.actions:
                 typer.echo("Nothing to fix.")
@@ -353,12 +361,19 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
             if dry_run:
                 typer.echo("Dry run: nothing changed.")
                 return 0
-            if not yes and not typer.confirm("Apply this plan?", default=False):
-                typer.echo("Nothing changed.")
-                return 0
+            try:
+                if not yes and not typer.confirm("Apply this plan?", default=False):
+                    typer.echo("Nothing changed.")
+                    return 0
+            except typer.Abort:  # Ctrl-C or end of input at the prompt
+                typer.echo("")
+                typer.echo(CANCELLED, err=True)
+                return EXIT_INTERRUPTED
             progress = _Progress("Repairing") if sys.stderr.isatty() else None
+            begun: list[str] = []
 
             def started(run_id: str) -> None:
+                begun.append(run_id)
                 try:
                     typer.echo(f"Applying run {run_id} (if it is interrupted, the next fix or "
                                f"`cachedoctor undo {run_id}` finishes it)")
@@ -368,12 +383,17 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
                     progress.start(len(plan.actions))
 
             try:
-                result = plan.execute(wait=wait, on_start=started,
-                                      on_outcome=(lambda _: progress.advance(1)) if progress else None)
+                with _sigterm_interrupts():
+                    result = plan.execute(wait=wait, on_start=started,
+                                          on_outcome=(lambda _: progress.advance(1)) if progress else None)
+            except KeyboardInterrupt:
+                if progress:
+                    progress.stop()
+                return _interrupted(begun[0] if begun else None, roots, targets)
             finally:
                 if progress:
                     progress.stop()
-            render_result(result, sys.stdout, verbose=verbose)
+            render_result(result, sys.stdout, verbose=verbose, plan=plan, targets=targets)
             for note in result.notes:
                 typer.echo(note, err=True)
             return EXIT_FINDINGS if result.failed else 0
@@ -386,6 +406,57 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
         raise
     except OSError as exc:
         raise fail(f"{exc.filename or ''}: {exc.strerror or exc}") from None
+
+
+def _sigterm_interrupts():
+    """A context in which SIGTERM interrupts like Ctrl-C, so that a killed fix reports too."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def handled():
+        def interrupt(_signum, _frame):
+            raise KeyboardInterrupt
+
+        try:
+            previous = signal.signal(signal.SIGTERM, interrupt)
+        except ValueError:  # not the main thread (fix called from a library): leave it
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return handled()
+
+
+def _interrupted(run_id: str | None, roots: tuple[str, ...], targets: list[str]) -> int:
+    """After Ctrl-C or SIGTERM during apply: roll back the action under way (recovery, with
+    further signals held off), then say what was done and how to finish or undo it."""
+    import signal
+
+    from cachedoctor.repair import recover_caches
+    from cachedoctor.repair.history import accounts
+    from cachedoctor.repair.render import render_interrupted
+
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        recover_caches(roots)  # also settles a run journaled but stopped before its first change
+    except Exception as exc:  # the next fix or undo recovers it: say so, never a traceback
+        typer.echo(f"cachedoctor: could not roll back the action under way ({exc}): the next "
+                   f"`cachedoctor fix` or `cachedoctor undo {run_id}` does", err=True)
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+    if run_id is None:  # stopped before the run's first change
+        typer.echo(CANCELLED, err=True)
+        return EXIT_INTERRUPTED
+    try:
+        render_interrupted(run_id, accounts(roots, run_id), targets, sys.stdout)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    return EXIT_INTERRUPTED
 
 
 def _pending_notes(roots: tuple[str, ...]) -> None:
@@ -413,13 +484,22 @@ def undo(
     """
     from cachedoctor.repair.journal import JournalError
     from cachedoctor.repair.lock import LockBusy
+    from cachedoctor.repair.purge import undo_target, was_purged
     from cachedoctor.repair.undo import NothingToUndo, undo_run
+    from cachedoctor.units import age
 
     for directory in cache or ():
         if not os.path.isdir(directory):
             raise fail(f"--cache {directory}: not a directory")
     try:
-        results = undo_run(run_id, cache, wait)
+        chosen = undo_target(run_id, cache)
+        purged = was_purged(chosen, cache) if chosen else None
+        if purged is not None:
+            import time
+
+            raise fail(f"run {chosen} cannot be undone: its quarantine was purged "
+                       f"{age(time.time() - purged)} ago (`cachedoctor purge`)")
+        results = undo_run(chosen, cache, wait)
     except NothingToUndo as exc:
         if run_id is not None:
             raise fail(str(exc)) from None
@@ -436,6 +516,77 @@ def undo(
             typer.echo(f"  left alone: {why}")
         conflicts += len(result.conflicts)
     raise typer.Exit(EXIT_FINDINGS if conflicts else 0)
+
+
+@app.command()
+def purge(
+    run_id: Annotated[str | None, typer.Argument(metavar="RUN", help="The run whose quarantine to delete.")] = None,
+    older_than: Annotated[str | None, typer.Option(
+        "--older-than", help="Every run started longer ago than this: 30d, 12h, 2w.")] = None,
+    cache: Annotated[list[str] | None, typer.Option(
+        help="The cache dir(s) whose runs to purge (default: every cache you ran fix on).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking (needed in a pipe).")] = False,
+    wait: Annotated[float, typer.Option(help="Wait this many seconds for a fix or undo running "
+                                             "on the same cache.")] = 0.0,
+) -> None:
+    """Delete runs' quarantines for good: the cache shrinks by what the plan said, and those
+    runs can no longer be undone.
+
+    Exit 0 when purged (or nothing to purge), 1 when some file could not be deleted, 2 on a
+    usage or environment error, 130 when cancelled at the prompt.
+    """
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.lock import LockBusy
+    from cachedoctor.repair.purge import PurgeError, parse_duration, targets, was_purged
+    from cachedoctor.units import human_bytes
+
+    if (run_id is None) == (older_than is None):
+        raise fail("purge needs a RUN or --older-than DURATION (one of them)")
+    for directory in cache or ():
+        if not os.path.isdir(directory):
+            raise fail(f"--cache {directory}: not a directory")
+    try:
+        seconds = parse_duration(older_than) if older_than is not None else None
+        chosen = targets(run_id, seconds, cache)
+    except (PurgeError, JournalError) as exc:
+        raise fail(str(exc)) from None
+    if not chosen:
+        if run_id is not None and was_purged(run_id, cache) is None:
+            raise fail(f"no run {run_id}" + ("" if cache else " in the caches you ran fix on "
+                                             "(give --cache DIR if the cache was moved)"))
+        typer.echo("Nothing to purge.")
+        return
+    if not yes and not sys.stdin.isatty():
+        raise fail("not deleting without --yes when stdin is not a terminal")
+    for t in chosen:
+        typer.echo(f"Run {t.run_id} in {t.root}: {t.files} file(s), {human_bytes(t.bytes)} in the quarantine")
+    total = sum(t.bytes for t in chosen)
+    if not yes:
+        try:
+            if not typer.confirm(f"Delete {human_bytes(total)} for good? Those runs can no longer "
+                                 "be undone", default=False):
+                typer.echo("Nothing changed.")
+                return
+        except typer.Abort:
+            typer.echo("")
+            typer.echo(CANCELLED, err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+    from cachedoctor.repair.purge import purge as purge_runs
+
+    try:
+        done = purge_runs(chosen, wait)
+    except (LockBusy, JournalError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{exc.filename or ''}: {exc.strerror or exc}") from None
+    for p in done:
+        for note in p.notes:
+            typer.echo(note)
+        for why in p.failed:
+            typer.echo(f"cachedoctor: {why}", err=True)
+        typer.echo(f"Purged run {p.target.run_id} in {p.target.root}: {p.target.files} file(s), "
+                   f"{human_bytes(p.target.bytes)} freed" + (" (not all: see above)." if p.failed else "."))
+    raise typer.Exit(EXIT_FINDINGS if any(p.failed for p in done) else 0)
 
 
 DEMO_MARKER = Path(".cachedoctor") / "demo"

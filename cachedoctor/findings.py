@@ -195,7 +195,10 @@ class Report:
 
     @property
     def reclaimable_bytes(self) -> int:
-        return sum(wasted(f) for f in self.findings)
+        """What a default `fix`, then `purge`, frees: defined once, in reclaim.py."""
+        from cachedoctor.reclaim import reclaimable
+
+        return reclaimable(self.findings)
 
     def fails(self, fail_on: str) -> bool:
         """True when a finding is at or above `fail_on` (`never` never fails)."""

@@ -127,6 +127,8 @@ def _repair_line(step: dict) -> str:
     parts = ["tensors bit-identical" if step.get("tensors_identical") else "TENSORS DIFFER"]
     if "ratio" in step:
         parts.append(f"x{step['ratio']:.1f} storage per latent")
+    if "disk_ratio" in step:
+        parts.append(f"x{step['disk_ratio']:.2f} bytes on disk per latent byte")
     if "codes_after" in step:
         parts.append(f"scan {', '.join(step['codes_after']) or 'clean'}")
     if step.get("failed"):

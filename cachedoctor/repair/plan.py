@@ -3,7 +3,8 @@
 `build_plan(report, roots)` reads no tensor and changes nothing; `Plan.execute()` applies it
 (apply.py). Where several findings name one file, one action serves them all: quarantine wins
 (a broken or hostile file is never loaded), then compact (which also stores every tensor on the
-CPU), then to-cpu. Findings without an automatic fix become notes (with the config edit, where
+CPU), then to-cpu. Info findings are left out unless asked for (`include_info`: `fix
+--include-info`); the plan lists them. Findings without an automatic fix become notes (with the config edit, where
 the finding carries one in `details["change"]`, with its `line`).
 
 Under --reencode (`Reencode`), every quarantined entry that DESIGN.md §4 marks "(+ re-encode)"
@@ -20,10 +21,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from cachedoctor.checks import interrupted_write, missing_cache_entries
+from cachedoctor import reclaim
+from cachedoctor.checks import missing_cache_entries
 from cachedoctor.findings import Finding, Report
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
+from cachedoctor.reclaim import COMPACT, QUARANTINE, TO_CPU
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.confined import FileId
 from cachedoctor.repair.reencode import ReencodeTarget
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from cachedoctor.repair.apply import Outcome, RunResult
     from cachedoctor.repair.encoders import Encoder
 
-QUARANTINE, COMPACT, TO_CPU, REENCODE = "quarantine", "compact", "to-cpu", "reencode"
+REENCODE = "reencode"
 KINDS = (QUARANTINE, COMPACT, TO_CPU, REENCODE)  # the order a run applies them in
 REWRITES = frozenset({COMPACT, TO_CPU})
 # DESIGN.md §4's "quarantine (+ re-encode)": under --reencode these entries are encoded again.
@@ -41,7 +44,6 @@ REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301"
                             "CD406"})
 # Entries quarantined for these are not stored as their trainer stores entries: never copied.
 UNLIKE = frozenset({"CD101", "CD102", "CD103", "CD105", "CD303"})
-RECENT = interrupted_write.RECENT_SECONDS  # a younger temp file may belong to a running writer
 NOT_A_LATENT = ("no re-encode: not a latent (text-encoder outputs need the text encoder: the "
                 "trainer's caching pass writes them again)")
 
@@ -55,7 +57,7 @@ class Action:
     root: str  # the cache root whose .cachedoctor/ journals and quarantines it
     codes: tuple[str, ...]  # the findings it resolves
     size: int = 0  # bytes of the file now (0 for a new entry)
-    freed: int = 0  # bytes the cache shrinks by (compact: CD201's estimate of the waste)
+    freed: int = 0  # bytes the cache shrinks by once purged (reclaim.freed; compact: an estimate)
     target: ReencodeTarget | None = None  # reencode: what to write
     planned: FileId | None = None  # the file as planned: the run skips it if it changed since
 
@@ -104,11 +106,18 @@ class Plan:
     actions: tuple[Action, ...]
     notes: tuple[Note, ...] = ()
     encoder: Encoder | None = field(default=None, compare=False)
+    left_out: tuple[Note, ...] = ()  # info findings with a fix, acted on only with include_info
 
     @property
     def expected_freed_size(self) -> int:
-        """Bytes the caches shrink by. The quarantine keeps every original until you delete it."""
+        """Bytes the caches shrink by once the run's quarantine is purged (reclaim.py: the
+        scan's "reclaimable" for the same findings). Until then the originals stay on disk."""
         return sum(a.freed for a in self.actions)
+
+    @property
+    def quarantined_size(self) -> int:
+        """Bytes of originals a run moves or copies into the quarantine (removed or replaced)."""
+        return sum(a.size for a in self.actions if a.kind != REENCODE)
 
     @property
     def bytes_rewritten(self) -> int:
@@ -132,14 +141,19 @@ class Plan:
                    on_outcome=on_outcome)
 
 
-def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None = None) -> Plan:
-    """The plan for `report`'s findings in the caches `roots` (cache_roots of the targets)."""
+def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None = None, *,
+               include_info: bool = False) -> Plan:
+    """The plan for `report`'s findings in the caches `roots` (cache_roots of the targets).
+    Info findings are left out (`Plan.left_out`) unless `include_info`."""
     roots = tuple(roots)
     files: dict[str, list[Finding]] = {}
     missing: list[Finding] = []
     notes: list[Note] = []
+    left_out: list[Note] = []
     for finding in report.findings:
-        if finding.fix is None:
+        if finding.fix is not None and not reclaim.acted_on(finding, include_info):
+            left_out.append(Note(finding.code, finding.path, finding.message))
+        elif finding.fix is None:
             change, line = finding.details.get("change"), finding.details.get("line")
             edit = f"line {line}: {change}" if change and line else change
             notes.append(Note(finding.code, finding.path, finding.message, edit))
@@ -151,8 +165,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
                 missing.append(finding)
         elif finding.fix not in (QUARANTINE, COMPACT, TO_CPU):
             notes.append(_skip(finding.code, finding.path, f"no automatic {finding.fix} in this version"))
-        elif finding.code == interrupted_write.RULE.code and \
-                finding.details.get("age_seconds", RECENT) < RECENT:
+        elif reclaim.young_temp(finding):
             notes.append(_skip(finding.code, finding.path, "written in the last minutes: its writer may "
                                "still be running (moving it would break its rename); stop it first"))
         else:
@@ -166,7 +179,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
     if reencode is not None:
         actions += _Reencodes(reencode, roots, actions, notes).actions(files, missing)
     actions.sort(key=lambda a: (KINDS.index(a.kind), a.path))
-    return Plan(tuple(actions), tuple(notes), reencode.encoder if reencode else None)
+    return Plan(tuple(actions), tuple(notes), reencode.encoder if reencode else None, tuple(left_out))
 
 
 def _files_of(finding: Finding) -> list[str]:
@@ -198,18 +211,11 @@ def _skip(code: str, path: str, why: str) -> Note:
 
 
 def _action(path: str, findings: list[Finding], root: str) -> Action:
-    fixes = {f.fix for f in findings}
-    kind = next(k for k in (QUARANTINE, COMPACT, TO_CPU) if k in fixes)
+    kind = reclaim.kind_of(f.fix for f in findings)
     st = os.lstat(path)
-    size = st.st_size
-    if kind == QUARANTINE:
-        freed = size
-    elif kind == COMPACT:
-        freed = sum(int(f.details.get("wasted_bytes", 0)) for f in findings)
-    else:
-        freed = 0
     codes = tuple(sorted({f.code for f in findings}))
-    return Action(kind, path, root, codes, size, freed, planned=FileId.of(st))
+    return Action(kind, path, root, codes, st.st_size, reclaim.freed(kind, st.st_size, findings, path),
+                  planned=FileId.of(st))
 
 
 class _Reencodes:

@@ -169,6 +169,10 @@ def test_retained_batch_files_hold_their_whole_vae_batch(run) -> None:
     result = run("retained-batch", "reproduce")
     assert result.reproduced and result.details["ratio"] == 4.0  # --vae_batch_size 4
     assert "(x4.0)" in result.failure
+    # the bytes on disk per latent byte, pickle and zip records included, is its own ratio
+    disk = result.details["disk_bytes"] / result.details["latent_bytes"]
+    assert result.details["disk_ratio"] == round(disk, 2) > 4.0
+    assert f"(x{disk:.2f} on disk)" in result.failure
     assert result.trained  # the files load and train: only their size is wrong
     scan = result.details["scan"]
     assert set(result.codes) == {"CD201"} and result.detected and result.ok
