@@ -396,7 +396,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
             render_result(result, sys.stdout, verbose=verbose, plan=plan, targets=targets)
             for note in result.notes:
                 typer.echo(note, err=True)
-            return EXIT_FINDINGS if result.failed else 0
+            return EXIT_FINDINGS if result.failed or result.skipped else 0
     except (LockBusy, JournalError) as exc:
         raise fail(str(exc)) from None
     except RunStopped as exc:

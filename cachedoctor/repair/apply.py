@@ -86,6 +86,11 @@ class RunResult:
     def failed(self) -> tuple[Outcome, ...]:
         return tuple(o for o in self.outcomes if o.state == FAILED)
 
+    @property
+    def skipped(self) -> tuple[Outcome, ...]:
+        """Actions left undone because their file changed since the plan."""
+        return tuple(o for o in self.outcomes if o.state == SKIPPED)
+
     def count(self, kind: str, state: str = DONE) -> int:
         return sum(1 for o in self.outcomes if o.action.kind == kind and o.state == state)
 

@@ -293,6 +293,7 @@ def test_the_cli_reports_each_file_changed_after_its_plan_was_shown(
 
     monkeypatch.setattr(render, "render_plan", shown_then_swapped)
     result = invoke("fix", str(cache), "--yes")
+    assert result.exit_code == 1  # a repair left undone is not a success
     assert "quarantine 0/1 (1 skipped)" in result.stdout
     assert (f"  skipped quarantine {path}: a folder on its path changed since the plan: sub/ is now "
             "a symlink or not a folder: it may lead out of the cache") in result.stdout.splitlines()
