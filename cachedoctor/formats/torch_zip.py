@@ -29,6 +29,7 @@ from cachedoctor.formats.unpickler import (
     load_restricted,
     root_kind,
 )
+from cachedoctor.formats.zip_members import PickleScan, ascii_fold, scan_members
 from cachedoctor.formats.zipdir import (
     MAX_WHOLE_ENTRY,
     STORED,
@@ -100,6 +101,7 @@ class _Reader:
         self.notes: list[str] = []
         self.globals: list[str] = []
         self.unsafe: list[str] = []
+        self.others: list[ZipEntry] = list(directory.entries)  # entries not read as records
         # --deep: CRC32 of the entries already streamed (None: it inflates too far)
         self._crc: dict[ZipEntry, int | None] = {}
 
@@ -118,30 +120,45 @@ class _Reader:
             errors.append(f"the first entry '{clip(first)}' is not in a directory, so torch.load "
                           "finds no data.pkl (file in archive is not in a subdirectory)")
             return self._meta()
+        # torch.load (miniz) finds a record by its name with A-Z folded, zipfile by the exact
+        # name: entries whose names fold alike are two readings of one record
         prefix = first[: slash + 1]
-        cut = len(prefix)
-        records = {e.name[cut:]: e for e in entries if e.name.startswith(prefix)}
+        folded, cut = ascii_fold(prefix), len(prefix)
+        named: dict[str, list[ZipEntry]] = {}
+        for e in entries:
+            if ascii_fold(e.name[:cut]) == folded:
+                named.setdefault(ascii_fold(e.name[cut:]), []).append(e)
+        records = {name: found[0] for name, found in named.items()}
+        self.others = [e for e in entries if records.get(ascii_fold(e.name[cut:])) is not e
+                       or ascii_fold(e.name[:cut]) != folded]
+        for found in named.values():
+            if len(found) > 1:
+                errors.append(self._twins_message(found))
+                break
         # from here on, only for messages
         prefix = clip(prefix if self.own_prefix is None else self.own_prefix + "/")
-        pkl = records.get("data.pkl")
-        if pkl is None:
+        pickles = named.get("data.pkl", [])
+        if not pickles:
             errors.append(f"the archive has no {prefix}data.pkl, which holds the saved object "
                           "(torch.load: failed locating file data.pkl)")
         self._check_version(records, prefix)
-        if pkl is None:
+        if not pickles:
             return self._meta()
+        self.others = [e for e in self.others if e not in pickles]
         stored = {name[5:]: e.size for name, e in records.items() if name.startswith("data/")}
-        parsed = self._unpickle(pkl, stored)
+        parsed = None
+        for pkl in pickles:  # every reading: its globals count, whichever a loader takes
+            parsed = self._unpickle(pkl, stored) or parsed
         if parsed is None:
             return self._meta()
         for key, ref in parsed.storages:
             name = clip(key)
-            if key not in stored:
+            record = records.get(ascii_fold(f"data/{key}"))
+            if record is None:
                 errors.append(
                     f"data.pkl names storage '{name}' but the archive has no {prefix}data/{name} "
                     f"(torch.load: failed locating file data/{name})")
                 continue
-            record = records[f"data/{key}"]
             if record.size != ref.nbytes:
                 errors.append(
                     f"storage {prefix}data/{name} holds {record.size:,} bytes where data.pkl "
@@ -155,6 +172,16 @@ class _Reader:
         if self.deep:
             nonfinite = self._scan_storages(records, tensors, self._big_endian(records), prefix)
         return self._meta(root=parsed.root, tensors=tensors, nonfinite=nonfinite)
+
+    @staticmethod
+    def _twins_message(found: list[ZipEntry]) -> str:
+        a, b = clip(found[0].name), clip(found[1].name)
+        if found[0].name == found[1].name:
+            return (f"the archive holds '{a}' twice: zipfile reads the last copy, torch.load "
+                    "(miniz) either one, so a scan of one proves nothing about the other")
+        return (f"entries '{a}' and '{b}' name one record: torch.load (miniz) matches names "
+                "case-insensitively and may read either, zipfile reads the exact name, so a "
+                "scan of one proves nothing about the other")
 
     def _check_version(self, records: dict[str, ZipEntry], prefix: str) -> None:
         record = records.get(".data/version") or records.get("version")
@@ -175,7 +202,8 @@ class _Reader:
         data = read_entry(self.src, pkl)
         key = tuple(stored.items())
         parsed = _parse_cached(data, key) if len(data) <= MEMO_PICKLE_BYTES else _parse(data, key)
-        self.globals, self.unsafe = list(parsed.globals), list(parsed.unsafe)
+        self.globals += [g for g in parsed.globals if g not in self.globals]
+        self.unsafe += [g for g in parsed.unsafe if g not in self.unsafe]
         if parsed.error is not None:
             self.errors.append(f"data.pkl is damaged: {parsed.error}")
             return None
@@ -205,12 +233,13 @@ class _Reader:
         for i, meta in enumerate(tensors):
             if meta.dtype not in FLOAT_DTYPES or meta.numel == 0 or meta.storage_bytes is None:
                 continue
-            if f"data/{meta.storage_key}" in records and meta.extent()[1] <= meta.storage_bytes:
+            if (ascii_fold(f"data/{meta.storage_key}") in records
+                    and meta.extent()[1] <= meta.storage_bytes):
                 views.setdefault(meta.storage_key, []).append(i)
         counts = [0] * len(tensors)
         check_crc = self._crc_recorded()
         for key, indices in views.items():
-            record = records[f"data/{key}"]
+            record = records[ascii_fold(f"data/{key}")]
             if record.method == STORED and not check_crc:  # tensors read straight from the file
                 self._count_from_file(record, [tensors[i] for i in indices], counts, indices, big)
                 continue
@@ -319,6 +348,14 @@ class _Reader:
 
     def _meta(self, **fields) -> FileMeta:
         crc_errors = self._crc_errors() if self.deep else ()
+        # members torch.load never reads (outside the prefix, second readings of a record):
+        # another tool may unpickle them
+        if self.others:
+            found = PickleScan()
+            scan_members(self.src, self.others, found)
+            self.errors += found.errors
+            self.globals += [g for g in found.globals if g not in self.globals]
+            self.unsafe += [g for g in found.unsafe if g not in self.unsafe]
         return FileMeta(self.path, self.src.size, TORCH_ZIP, globals=tuple(self.globals),
                         unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
                         crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)
