@@ -37,6 +37,7 @@ MAX_OVERFLOW = 64 << 20  # and up to this many bytes past it (a damaged entry's,
 CHUNK = 1 << 20  # bytes per piece of an entry streamed (--deep): bounds a worker's memory
 INFLATE_INPUT = 64 * 1024  # compressed bytes per read (zlib copies the unused rest each call)
 STORED, DEFLATED = 0, 8
+MAX_RATIO = 1032  # deflate's ceiling: no stream inflates to more than this times its size
 
 
 class ZipError(Exception):
@@ -190,6 +191,13 @@ def read_directory(src: Source) -> ZipDirectory:
                 f"entry '{_shown(name)}' ({csize:,} bytes at offset {data_at:,}) runs past the "
                 f"start of the central directory at {cd_offset:,}"
             )
+        if (method == STORED and csize != usize) or (
+                method == DEFLATED and usize > MAX_RATIO * csize + MAX_OVERFLOW):
+            raise ZipError(
+                f"entry '{_shown(name)}' records {usize:,} bytes from {csize:,} "
+                + ("stored bytes" if method == STORED else
+                   f"deflated bytes, more than deflate's {MAX_RATIO:,}:1 ceiling")
+                + " (a zip bomb, or a damaged directory)")
         entries.append(ZipEntry(name, method, crc, csize, usize, lho, data_at))
     _check_layout(entries)
     return ZipDirectory(tuple(entries), cd_offset, trailing)

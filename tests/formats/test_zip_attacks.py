@@ -378,3 +378,27 @@ def test_ordinary_files_stay_clean_and_keep_templates(tmp_path, stem):
         assert meta.errors == () and meta.unsafe_globals == () and len(meta.tensors) == 2
     report = scan_paths(tmp_path)
     assert not [f for f in report.findings if f.severity == Severity.ERROR], report.findings
+
+
+def test_a_pickle_member_of_an_npz(paths, tmp_path):
+    cache, marker = paths
+    out = io.BytesIO()
+    np.savez(out, latents=np.zeros((4, 8, 8), np.float16))
+    path = cache / "a_0512x0512_sd.npz"
+    path.write_bytes(rezip(out.getvalue(), extra=[("extra", pickle.dumps(Payload(marker)))]))
+    assert "io.open" in read_path(str(path)).unsafe_globals
+    judged_hostile(path, marker, tmp_path)
+
+
+def test_a_recorded_size_beyond_deflates_ceiling(tmp_path):
+    """One deflate stream of 1 KiB cannot inflate to 1 GiB: said so before anything inflates."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("x.npy", bytes(1 << 20))
+    data = bytearray(out.getvalue())
+    for sig, at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):  # uncompressed size
+        struct.pack_into("<I", data, data.find(sig) + at, 1 << 30)
+    started = time.perf_counter()
+    meta = read_bytes(bytes(data), "x.npz", deep=True)
+    assert time.perf_counter() - started < 1
+    assert "deflate's 1,032:1 ceiling" in meta.errors[0]
