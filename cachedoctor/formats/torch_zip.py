@@ -124,27 +124,30 @@ class _Reader:
         # name: entries whose names fold alike are two readings of one record
         prefix = first[: slash + 1]
         folded, cut = ascii_fold(prefix), len(prefix)
-        named: dict[str, list[ZipEntry]] = {}
+        records: dict[str, ZipEntry] = {}
+        self.others = []  # entries outside the prefix, and second readings of a record
+        twins: list[tuple[ZipEntry, ZipEntry]] = []
         for e in entries:
-            if ascii_fold(e.name[:cut]) == folded:
-                named.setdefault(ascii_fold(e.name[cut:]), []).append(e)
-        records = {name: found[0] for name, found in named.items()}
-        self.others = [e for e in entries if records.get(ascii_fold(e.name[cut:])) is not e
-                       or ascii_fold(e.name[:cut]) != folded]
-        for found in named.values():
-            if len(found) > 1:
-                errors.append(self._twins_message(found))
-                break
+            name = ascii_fold(e.name)
+            if not name.startswith(folded):
+                self.others.append(e)
+            elif (first_reading := records.setdefault(name[cut:], e)) is not e:
+                twins.append((first_reading, e))
+                self.others.append(e)
+        if twins:
+            errors.append(self._twins_message(*twins[0]))
         # from here on, only for messages
         prefix = clip(prefix if self.own_prefix is None else self.own_prefix + "/")
-        pickles = named.get("data.pkl", [])
-        if not pickles:
+        pkl = records.get("data.pkl")
+        if pkl is None:
             errors.append(f"the archive has no {prefix}data.pkl, which holds the saved object "
                           "(torch.load: failed locating file data.pkl)")
         self._check_version(records, prefix)
-        if not pickles:
+        if pkl is None:
             return self._meta()
-        self.others = [e for e in self.others if e not in pickles]
+        pickles = [pkl, *(e for first_reading, e in twins if first_reading is pkl)]
+        if len(pickles) > 1:  # each unpickled below: not again as an unknown member
+            self.others = [e for e in self.others if e not in pickles]
         stored = {name[5:]: e.size for name, e in records.items() if name.startswith("data/")}
         parsed = None
         for pkl in pickles:  # every reading: its globals count, whichever a loader takes
@@ -174,9 +177,9 @@ class _Reader:
         return self._meta(root=parsed.root, tensors=tensors, nonfinite=nonfinite)
 
     @staticmethod
-    def _twins_message(found: list[ZipEntry]) -> str:
-        a, b = clip(found[0].name), clip(found[1].name)
-        if found[0].name == found[1].name:
+    def _twins_message(one: ZipEntry, other: ZipEntry) -> str:
+        a, b = clip(one.name), clip(other.name)
+        if one.name == other.name:
             return (f"the archive holds '{a}' twice: zipfile reads the last copy, torch.load "
                     "(miniz) either one, so a scan of one proves nothing about the other")
         return (f"entries '{a}' and '{b}' name one record: torch.load (miniz) matches names "

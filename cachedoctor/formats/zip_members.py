@@ -31,7 +31,7 @@ MAX_PICKLE_TOTAL = 256 * 1024 * 1024
 
 def ascii_fold(name: str) -> str:
     """A member name as miniz (torch's zip reader) compares it: A-Z folded, nothing else."""
-    return name.translate(_FOLD)
+    return name.lower() if name.isascii() else name.translate(_FOLD)  # (lower(): fast path)
 
 
 _FOLD = {c: c + 32 for c in range(ord("A"), ord("Z") + 1)}
