@@ -1,9 +1,15 @@
 """A zip central-directory parser built on `struct`, for torch zip files and npz archives.
 
 It reads the end record, the zip64 records torch always writes, and every central-directory
-entry; it checks that each entry's local header is where the directory says and that its data
-ends before the directory starts. It never decompresses or reads entry data unless asked.
-Errors come back as ZipError with a sentence a user can act on.
+entry; it checks that each entry's local header is where the directory says, under the same
+name, and that its data ends before the directory starts. An archive that two readers would
+read differently is refused: entries sharing bytes (a zip bomb of many entries on one deflate
+stream), bytes before the first listed entry, a directory that does not end where the next
+record starts (zipfile shifts offsets by the gap, miniz does not). Bounded work: at most
+MAX_ENTRIES entries, no entry recording more than deflate's MAX_RATIO:1 allows, and since no
+two entries share bytes, all of them inflate (--deep) to at most MAX_RATIO times the file.
+It never decompresses or reads entry data unless asked. Errors come back as ZipError with a
+sentence a user can act on.
 """
 
 from __future__ import annotations
