@@ -402,3 +402,15 @@ def test_a_recorded_size_beyond_deflates_ceiling(tmp_path):
     meta = read_bytes(bytes(data), "x.npz", deep=True)
     assert time.perf_counter() - started < 1
     assert "deflate's 1,032:1 ceiling" in meta.errors[0]
+
+
+def test_compact_refuses_a_twin_before_torch_sees_it(tmp_path):
+    """A retained batch storage (CD201, which compact fixes) with a hostile DATA.PKL twin:
+    the repair's gate (the scan's reader on the very bytes) refuses it, so torch never loads."""
+    from cachedoctor.repair.torch_io import Unloadable, checked
+
+    base = saved(torch.zeros(8, 4, 8, 8)[0])
+    data = rezip(base, extra=[("archive/DATA.PKL", pickle.dumps(Payload(tmp_path / "m")))])
+    with pytest.raises(Unloadable, match="CD105"):
+        checked(data, "a.pt")
+    checked(base, "a.pt")  # the same file without the twin passes the gate
