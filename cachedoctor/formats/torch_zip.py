@@ -6,7 +6,11 @@ The checks are the ones torch.load makes when it opens the archive and rebuilds 
 user can match their traceback: the first entry must sit in a subdirectory (its name is the
 prefix; torch writes the file's stem or `archive`), data.pkl and a version record must exist,
 every storage data.pkl names must have a record of numel x itemsize bytes, and every tensor
-must lie inside its storage. With `deep`, every entry's CRC32 is checked (torch.load never
+must lie inside its storage. Records are found as torch finds them, by name with A-Z folded
+(PyTorchStreamReader asks miniz with flags 0): two entries whose names fold alike are two
+readings of one record, an error, and every data.pkl among them is unpickled (restricted), so
+its globals count whichever one a loader takes; entries torch never reads are scanned for
+pickles as any zip's (zip_members). With `deep`, every entry's CRC32 is checked (torch.load never
 does) and float tensors are searched for NaN and Inf; each storage entry is read (inflated,
 when a zip tool deflated it) once, in bounded chunks that feed both checks, however many
 tensors view it.
@@ -148,7 +152,9 @@ class _Reader:
         pickles = [pkl, *(e for first_reading, e in twins if first_reading is pkl)]
         if len(pickles) > 1:  # each unpickled below: not again as an unknown member
             self.others = [e for e in self.others if e not in pickles]
-        stored = {name[5:]: e.size for name, e in records.items() if name.startswith("data/")}
+        # by the key as the entry spells it (data.pkl's keys are matched exactly here)
+        stored = {e.name[cut + 5 :]: e.size for name, e in records.items()
+                  if name.startswith("data/")}
         parsed = None
         for pkl in pickles:  # every reading: its globals count, whichever a loader takes
             parsed = self._unpickle(pkl, stored) or parsed
