@@ -5,8 +5,8 @@ torch.load reads only `<prefix>/data.pkl`, but other tools open other members (a
 such as picklescan flags them, and an archive of `model/config.pkl` exists to be unpickled by
 someone). A member counts as a pickle when its bytes start with a pickle protocol marker (2 to
 5), or its name ends like a pickle file (`.pkl`, `.pickle`, `.joblib`, `.dat`, `.data`): a
-protocol 0/1 pickle has no marker. The member's flags (an "encrypted" bit included) are not
-trusted: its bytes are judged as stored.
+protocol 0/1 pickle has no marker (its first byte must still be an opcode). The member's flags
+(an "encrypted" bit included) are not trusted: its bytes are judged as stored.
 
 Bounded work per archive: at most MAX_PICKLE_MEMBERS members unpickled, each at most the
 unpickler's MAX_PICKLE_BYTES, and MAX_PICKLE_TOTAL bytes in all; beyond that the archive is an
@@ -15,6 +15,7 @@ error (not checked), never a silent pass.
 
 from __future__ import annotations
 
+import pickletools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -37,11 +38,17 @@ def ascii_fold(name: str) -> str:
 _FOLD = {c: c + 32 for c in range(ord("A"), ord("Z") + 1)}
 
 
+# bytes a protocol 0/1 pickle can start with (an opcode those protocols have)
+_OLD_OPCODES = frozenset(ord(op.code) for op in pickletools.opcodes if op.proto <= 1)
+
+
 def looks_like_pickle(head: bytes, name: str) -> bool:
-    """Whether a member's first bytes or its name say pickle."""
+    """Whether a member's first bytes say pickle, or its name does and its first byte could
+    start one (so a large data file named `.dat` is not read whole for nothing)."""
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return True
-    return ascii_fold(name).endswith(PICKLE_SUFFIXES)
+    return (bool(name) and head[:1] != b"" and head[0] in _OLD_OPCODES
+            and ascii_fold(name).endswith(PICKLE_SUFFIXES))
 
 
 @dataclass

@@ -103,7 +103,7 @@ def _truncation_message(src: Source) -> str:
         nlen = LOCAL.unpack_from(window, at)[9]
         name = window[at + LOCAL.size : at + LOCAL.size + nlen].decode("utf-8", "replace")
         if name:
-            where = f" inside entry '{name}'"
+            where = f" inside entry '{_shown(name)}'"
     return (
         f"no zip central directory: the file ends at {src.size:,} bytes{where}"
         " (truncated or half-written)"

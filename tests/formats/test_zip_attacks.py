@@ -414,3 +414,14 @@ def test_compact_refuses_a_twin_before_torch_sees_it(tmp_path):
     with pytest.raises(Unloadable, match="CD105"):
         checked(data, "a.pt")
     checked(base, "a.pt")  # the same file without the twin passes the gate
+
+
+def test_a_protocol_0_pickle_is_found_by_its_name(paths, tmp_path):
+    """No marker bytes: the .pkl name and a first byte that is an opcode make it a pickle."""
+    cache, marker = paths
+    path = cache / "bundle.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("model/config.pkl", pickle.dumps(Payload(marker), protocol=0))
+        zf.writestr("table.dat", bytes(4096))  # a data file: not taken for a pickle
+    assert read_path(str(path)).unsafe_globals == ("io.open",)
+    judged_hostile(path, marker, tmp_path)
