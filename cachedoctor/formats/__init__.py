@@ -21,6 +21,7 @@ from cachedoctor.formats import (
     safetensors_header,
     torch_legacy,
     torch_zip,
+    zip_members,
     zip_templates,
 )
 from cachedoctor.formats.meta import (
@@ -177,20 +178,23 @@ def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
         fmt = NPZ if extension_format(path) == NPZ else TORCH_ZIP
         return FileMeta(path, src.size, fmt, errors=(str(exc),))
     names = [e.name for e in directory.entries]
+    folded = [zip_members.ascii_fold(n) for n in names]  # as torch (miniz) matches names
     if windows is not None and names and names[0].endswith("/data.pkl"):
         meta = torch_zip.read(src, path, deep, directory)
-        if meta.ok:
+        # a template reads only the standard records: a file with any other entry (another
+        # tool's pickle, a second reading of a record) is read in full every time
+        if meta.ok and zip_templates.standard(directory):
             zip_templates.remember(src.size, windows, directory, meta)
         return meta
     if names and all(n.endswith(".npy") for n in names):
         return numpy_npz.read(src, path, deep, directory)
-    if any(n.endswith("/data.pkl") or n == "data.pkl" for n in names) or extension_format(path) in (
-        TORCH_ZIP,
-    ):
+    if any(n.endswith("/data.pkl") or n == "data.pkl" for n in folded) or extension_format(
+        path
+    ) in (TORCH_ZIP,):
         return torch_zip.read(src, path, deep, directory)
     if extension_format(path) == NPZ:
         return numpy_npz.read(src, path, deep, directory)
-    return FileMeta(path, src.size, ZIP)
+    return zip_members.read(src, path, deep, directory)
 
 
 def _read_gzip(src: Source, path: str, deep: bool) -> FileMeta:

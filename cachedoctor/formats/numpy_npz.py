@@ -16,6 +16,7 @@ from cachedoctor.formats import numpy_npy as npy
 from cachedoctor.formats.meta import NPZ, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter
 from cachedoctor.formats.source import Source
+from cachedoctor.formats.zip_members import PickleScan, scan_members
 from cachedoctor.formats.zipdir import (
     DamagedEntry,
     OversizedEntry,
@@ -67,15 +68,20 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
                 nonfinite.append((member.tensor.path, member.nonfinite))
     if directory.trailing_bytes:
         notes.append(f"{directory.trailing_bytes:,} bytes after the zip end record")
-    found = tuple(globals_)
+    # np.load hands such members back as bytes, but another tool may unpickle them
+    found = PickleScan()
+    scan_members(src, [e for e in directory.entries if not e.name.endswith(".npy")], found)
+    errors += found.errors
+    globals_.update(found.unsafe)
+    named = tuple(globals_)
     return FileMeta(
         path,
         src.size,
         NPZ,
         root="dict",
         tensors=tuple(tensors),
-        globals=found,
-        unsafe_globals=found,
+        globals=named,
+        unsafe_globals=named,
         errors=tuple(errors),
         crc_errors=tuple(crc_errors),
         nonfinite=tuple(nonfinite),

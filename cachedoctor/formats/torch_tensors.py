@@ -35,6 +35,12 @@ def tensor_metas(obj: object, stored: Mapping[str, int]) -> tuple[list[TensorMet
                     nbytes = stored.get(key)
                 elif storage.root in stored:  # a legacy view: its slice of the stored bytes
                     nbytes = storage.nbytes
+            huge = _beyond_int64(ref.shape, ref.stride, ref.storage_offset)
+            if huge is not None:
+                errors.append(f"tensor {clip(_display(path))} has {huge}, beyond the 64-bit "
+                              "integers torch keeps sizes in (torch.load: Overflow when "
+                              "unpacking long)")
+                continue
             meta = TensorMeta(path, ref.dtype, ref.shape, ref.stride, ref.storage_offset, key,
                               nbytes, ref.itemsize, ref.location, ref.requires_grad)
             tensors.append(meta)
@@ -43,6 +49,33 @@ def tensor_metas(obj: object, stored: Mapping[str, int]) -> tuple[list[TensorMet
     except UnpickleError as exc:
         errors.append(str(exc))
     return tensors, errors
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def number(value: int) -> str:
+    """An integer from the file as a message shows it: a pickle can hold a 10**400."""
+    text = f"{value:,}"
+    return text if len(text) <= 32 else f"a {len(str(abs(value)))}-digit number"
+
+
+def _beyond_int64(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> str | None:
+    """What of a tensor's sizes does not fit torch's int64 (None when all do)."""
+    for what, values in (("size", shape), ("stride", stride), ("storage offset", (offset,))):
+        for v in values:
+            if not INT64_MIN <= v <= INT64_MAX:
+                return f"{what} {number(v)}"
+    numel = 1
+    for n in shape:
+        numel *= n
+        if numel > INT64_MAX:  # (each size fits, their product does not)
+            return f"sizes {clip(str(list(shape)))} multiplying to more than 2**63 elements"
+    return None
+
+
+def _display(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
 def _reach(meta: TensorMeta) -> int:

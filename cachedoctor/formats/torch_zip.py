@@ -6,7 +6,11 @@ The checks are the ones torch.load makes when it opens the archive and rebuilds 
 user can match their traceback: the first entry must sit in a subdirectory (its name is the
 prefix; torch writes the file's stem or `archive`), data.pkl and a version record must exist,
 every storage data.pkl names must have a record of numel x itemsize bytes, and every tensor
-must lie inside its storage. With `deep`, every entry's CRC32 is checked (torch.load never
+must lie inside its storage. Records are found as torch finds them, by name with A-Z folded
+(PyTorchStreamReader asks miniz with flags 0): two entries whose names fold alike are two
+readings of one record, an error, and every data.pkl among them is unpickled (restricted), so
+its globals count whichever one a loader takes; entries torch never reads are scanned for
+pickles as any zip's (zip_members). With `deep`, every entry's CRC32 is checked (torch.load never
 does) and float tensors are searched for NaN and Inf; each storage entry is read (inflated,
 when a zip tool deflated it) once, in bounded chunks that feed both checks, however many
 tensors view it.
@@ -29,6 +33,7 @@ from cachedoctor.formats.unpickler import (
     load_restricted,
     root_kind,
 )
+from cachedoctor.formats.zip_members import PickleScan, ascii_fold, scan_members
 from cachedoctor.formats.zipdir import (
     MAX_WHOLE_ENTRY,
     STORED,
@@ -100,6 +105,7 @@ class _Reader:
         self.notes: list[str] = []
         self.globals: list[str] = []
         self.unsafe: list[str] = []
+        self.others: list[ZipEntry] = list(directory.entries)  # entries not read as records
         # --deep: CRC32 of the entries already streamed (None: it inflates too far)
         self._crc: dict[ZipEntry, int | None] = {}
 
@@ -118,9 +124,22 @@ class _Reader:
             errors.append(f"the first entry '{clip(first)}' is not in a directory, so torch.load "
                           "finds no data.pkl (file in archive is not in a subdirectory)")
             return self._meta()
+        # torch.load (miniz) finds a record by its name with A-Z folded, zipfile by the exact
+        # name: entries whose names fold alike are two readings of one record
         prefix = first[: slash + 1]
-        cut = len(prefix)
-        records = {e.name[cut:]: e for e in entries if e.name.startswith(prefix)}
+        folded, cut = ascii_fold(prefix), len(prefix)
+        records: dict[str, ZipEntry] = {}
+        self.others = []  # entries outside the prefix, and second readings of a record
+        twins: list[tuple[ZipEntry, ZipEntry]] = []
+        for e in entries:
+            name = ascii_fold(e.name)
+            if not name.startswith(folded):
+                self.others.append(e)
+            elif (first_reading := records.setdefault(name[cut:], e)) is not e:
+                twins.append((first_reading, e))
+                self.others.append(e)
+        if twins:
+            errors.append(self._twins_message(*twins[0]))
         # from here on, only for messages
         prefix = clip(prefix if self.own_prefix is None else self.own_prefix + "/")
         pkl = records.get("data.pkl")
@@ -130,18 +149,25 @@ class _Reader:
         self._check_version(records, prefix)
         if pkl is None:
             return self._meta()
-        stored = {name[5:]: e.size for name, e in records.items() if name.startswith("data/")}
-        parsed = self._unpickle(pkl, stored)
+        pickles = [pkl, *(e for first_reading, e in twins if first_reading is pkl)]
+        if len(pickles) > 1:  # each unpickled below: not again as an unknown member
+            self.others = [e for e in self.others if e not in pickles]
+        # by the key as the entry spells it (data.pkl's keys are matched exactly here)
+        stored = {e.name[cut + 5 :]: e.size for name, e in records.items()
+                  if name.startswith("data/")}
+        parsed = None
+        for pkl in pickles:  # every reading: its globals count, whichever a loader takes
+            parsed = self._unpickle(pkl, stored) or parsed
         if parsed is None:
             return self._meta()
         for key, ref in parsed.storages:
             name = clip(key)
-            if key not in stored:
+            record = records.get(ascii_fold(f"data/{key}"))
+            if record is None:
                 errors.append(
                     f"data.pkl names storage '{name}' but the archive has no {prefix}data/{name} "
                     f"(torch.load: failed locating file data/{name})")
                 continue
-            record = records[f"data/{key}"]
             if record.size != ref.nbytes:
                 errors.append(
                     f"storage {prefix}data/{name} holds {record.size:,} bytes where data.pkl "
@@ -155,6 +181,16 @@ class _Reader:
         if self.deep:
             nonfinite = self._scan_storages(records, tensors, self._big_endian(records), prefix)
         return self._meta(root=parsed.root, tensors=tensors, nonfinite=nonfinite)
+
+    @staticmethod
+    def _twins_message(one: ZipEntry, other: ZipEntry) -> str:
+        a, b = clip(one.name), clip(other.name)
+        if one.name == other.name:
+            return (f"the archive holds '{a}' twice: zipfile reads the last copy, torch.load "
+                    "(miniz) either one, so a scan of one proves nothing about the other")
+        return (f"entries '{a}' and '{b}' name one record: torch.load (miniz) matches names "
+                "case-insensitively and may read either, zipfile reads the exact name, so a "
+                "scan of one proves nothing about the other")
 
     def _check_version(self, records: dict[str, ZipEntry], prefix: str) -> None:
         record = records.get(".data/version") or records.get("version")
@@ -175,7 +211,8 @@ class _Reader:
         data = read_entry(self.src, pkl)
         key = tuple(stored.items())
         parsed = _parse_cached(data, key) if len(data) <= MEMO_PICKLE_BYTES else _parse(data, key)
-        self.globals, self.unsafe = list(parsed.globals), list(parsed.unsafe)
+        self.globals += [g for g in parsed.globals if g not in self.globals]
+        self.unsafe += [g for g in parsed.unsafe if g not in self.unsafe]
         if parsed.error is not None:
             self.errors.append(f"data.pkl is damaged: {parsed.error}")
             return None
@@ -205,12 +242,13 @@ class _Reader:
         for i, meta in enumerate(tensors):
             if meta.dtype not in FLOAT_DTYPES or meta.numel == 0 or meta.storage_bytes is None:
                 continue
-            if f"data/{meta.storage_key}" in records and meta.extent()[1] <= meta.storage_bytes:
+            if (ascii_fold(f"data/{meta.storage_key}") in records
+                    and meta.extent()[1] <= meta.storage_bytes):
                 views.setdefault(meta.storage_key, []).append(i)
         counts = [0] * len(tensors)
         check_crc = self._crc_recorded()
         for key, indices in views.items():
-            record = records[f"data/{key}"]
+            record = records[ascii_fold(f"data/{key}")]
             if record.method == STORED and not check_crc:  # tensors read straight from the file
                 self._count_from_file(record, [tensors[i] for i in indices], counts, indices, big)
                 continue
@@ -319,6 +357,14 @@ class _Reader:
 
     def _meta(self, **fields) -> FileMeta:
         crc_errors = self._crc_errors() if self.deep else ()
+        # members torch.load never reads (outside the prefix, second readings of a record):
+        # another tool may unpickle them
+        if self.others:
+            found = PickleScan()
+            scan_members(self.src, self.others, found)
+            self.errors += found.errors
+            self.globals += [g for g in found.globals if g not in self.globals]
+            self.unsafe += [g for g in found.unsafe if g not in self.unsafe]
         return FileMeta(self.path, self.src.size, TORCH_ZIP, globals=tuple(self.globals),
                         unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
                         crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)

@@ -30,6 +30,7 @@ import struct
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.source import Window
 from cachedoctor.formats.torch_zip import READ_RECORDS
+from cachedoctor.formats.zip_members import ascii_fold
 from cachedoctor.formats.zipdir import LOCAL, ZipDirectory
 
 MAX_TEMPLATES = 256
@@ -117,6 +118,20 @@ def spans(size: int) -> tuple[tuple[int, int], ...] | None:
     """The (offset, length) spans that decide whether a file of `size` bytes is laid out like
     one seen before, or None when none of that size was: all a reader needs of such a file."""
     return _spans.get(size)
+
+
+_STANDARD = re.compile(r"[^/]+/(?:data\.pkl|version|\.data/version|byteorder|\.format_version"
+                       r"|\.storage_alignment|\.data/serialization_id|data/\d+)\Z")
+
+
+def standard(directory: ZipDirectory) -> bool:
+    """Whether a layout is fit for a template: every name distinct as torch compares them
+    (A-Z folded), and every entry one torch.save writes or small enough that the template
+    spells its bytes out. Another entry's bytes (another tool's pickle) would be wildcarded,
+    so a match, never reading them, could not vouch for them."""
+    names = {ascii_fold(e.name) for e in directory.entries}
+    return len(names) == len(directory.entries) and all(
+        e.compressed_size < MIN_SKIPPED or _STANDARD.match(e.name) for e in directory.entries)
 
 
 def remember(size: int, windows: tuple[Window, ...], directory: ZipDirectory,

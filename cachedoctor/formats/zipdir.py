@@ -1,13 +1,20 @@
 """A zip central-directory parser built on `struct`, for torch zip files and npz archives.
 
 It reads the end record, the zip64 records torch always writes, and every central-directory
-entry; it checks that each entry's local header is where the directory says and that its data
-ends before the directory starts. It never decompresses or reads entry data unless asked.
-Errors come back as ZipError with a sentence a user can act on.
+entry; it checks that each entry's local header is where the directory says, under the same
+name, and that its data ends before the directory starts. An archive that two readers would
+read differently is refused: entries sharing bytes (a zip bomb of many entries on one deflate
+stream), bytes before the first listed entry, a directory that does not end where the next
+record starts (zipfile shifts offsets by the gap, miniz does not). Bounded work: at most
+MAX_ENTRIES entries, no entry recording more than deflate's MAX_RATIO:1 allows, and since no
+two entries share bytes, all of them inflate (--deep) to at most MAX_RATIO times the file.
+It never decompresses or reads entry data unless asked. Errors come back as ZipError with a
+sentence a user can act on.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 from collections.abc import Iterator
@@ -29,13 +36,14 @@ LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
 # Just the fields the parser uses: method, crc, sizes, name/extra/comment lengths, offset.
 CD_FIELDS = struct.Struct("<4x6xH4xIIIHHH8xI")
 LOCAL_HEAD = struct.Struct("<4s22xHH")  # signature, name and extra lengths
-MAX_ENTRIES = 1_000_000
+MAX_ENTRIES = 200_000  # per archive: its directory parse stays well under a second
 MAX_WHOLE_ENTRY = 1 << 30  # an entry read whole (read_entry) beyond this is refused
 MAX_INFLATE = 1 << 34  # --deep streams (entry_chunks) a deflated entry up to this size
 MAX_OVERFLOW = 64 << 20  # and up to this many bytes past it (a damaged entry's, for its CRC)
 CHUNK = 1 << 20  # bytes per piece of an entry streamed (--deep): bounds a worker's memory
 INFLATE_INPUT = 64 * 1024  # compressed bytes per read (zlib copies the unused rest each call)
 STORED, DEFLATED = 0, 8
+MAX_RATIO = 1032  # deflate's ceiling: no stream inflates to more than this times its size
 
 
 class ZipError(Exception):
@@ -95,7 +103,7 @@ def _truncation_message(src: Source) -> str:
         nlen = LOCAL.unpack_from(window, at)[9]
         name = window[at + LOCAL.size : at + LOCAL.size + nlen].decode("utf-8", "replace")
         if name:
-            where = f" inside entry '{name}'"
+            where = f" inside entry '{_shown(name)}'"
     return (
         f"no zip central directory: the file ends at {src.size:,} bytes{where}"
         " (truncated or half-written)"
@@ -128,6 +136,7 @@ def read_directory(src: Source) -> ZipDirectory:
         raise ZipError("multi-disk zip archives are not supported")
     # torch always writes zip64 records; when present they hold the real counts and offsets.
     loc_at = eocd_at - ZIP64_LOCATOR.size
+    z64_at = None
     loc = tail[loc_at - base : eocd_at - base] if loc_at >= base else src.pread(loc_at, 20)
     if loc_at >= 0 and loc[:4] == ZIP64_LOCATOR_SIG and len(loc) == ZIP64_LOCATOR.size:
         z64_at = ZIP64_LOCATOR.unpack(loc)[2]
@@ -136,13 +145,22 @@ def read_directory(src: Source) -> ZipDirectory:
         if len(rec) < ZIP64_EOCD.size or rec[:4] != ZIP64_EOCD_SIG:
             raise ZipError(f"zip64 end record missing at offset {z64_at:,}")
         _, _, _, _, _, _, _, n_total, cd_size, cd_offset = ZIP64_EOCD.unpack(rec)
-    if n_total > MAX_ENTRIES:
-        raise ZipError(f"central directory claims {n_total:,} entries")
+    if n_total > MAX_ENTRIES or n_total * CD_ENTRY.size > cd_size:
+        raise ZipError(f"central directory claims {n_total:,} entries in {cd_size:,} bytes "
+                       f"(cachedoctor reads at most {MAX_ENTRIES:,}): a zip bomb, or damaged")
     if cd_offset + cd_size > size:
         raise ZipError(
             f"central directory at offset {cd_offset:,} (+{cd_size:,} bytes) runs past the end "
             f"of the file at {size:,} bytes"
         )
+    # zipfile (np.load) shifts every offset by the gap between the directory's recorded end
+    # and the record after it, miniz (torch.load) does not: with a gap they read other bytes
+    follows = z64_at if z64_at is not None else eocd_at
+    if cd_offset + cd_size != follows:
+        raise ZipError(
+            f"the central directory is recorded at offset {cd_offset:,} (+{cd_size:,} bytes) "
+            f"but the record after it starts at {follows:,}: zipfile and torch would read "
+            "different entries (data prepended to the archive, or a crafted file)")
     if cd_offset >= base:
         cd, pos = tail, cd_offset - base
     else:
@@ -158,21 +176,61 @@ def read_directory(src: Source) -> ZipDirectory:
         if 0xFFFFFFFF in (usize, csize, lho):
             usize, csize, lho = _zip64_sizes(cd[at + nlen : at + nlen + xlen], usize, csize, lho)
         pos = at + nlen + xlen + clen
-        if whole is not None and lho + LOCAL.size <= size:
+        if whole is not None and lho + LOCAL.size + nlen <= size:
             sig, lnlen, lxlen = LOCAL_HEAD.unpack_from(whole, lho)
+            lname = whole[lho + LOCAL.size : lho + LOCAL.size + nlen]
         else:
-            head = src.pread(lho, LOCAL.size)
-            sig, lnlen, lxlen = LOCAL_HEAD.unpack(head) if len(head) == LOCAL.size else (b"", 0, 0)
+            head = src.pread(lho, LOCAL.size + nlen)
+            sig, lnlen, lxlen = (LOCAL_HEAD.unpack_from(head) if len(head) >= LOCAL.size
+                                 else (b"", 0, 0))
+            lname = head[LOCAL.size :]
         if sig != LOCAL_SIG:
-            raise ZipError(f"entry '{name}': no local header at offset {lho:,}")
+            raise ZipError(f"entry '{_shown(name)}': no local header at offset {lho:,}")
+        if lnlen != nlen or lname != cd[at : at + nlen]:
+            # zipfile refuses such an entry, miniz (torch) reads it: two readings of one file
+            raise ZipError(
+                f"entry '{_shown(name)}' has another name in its local header at offset "
+                f"{lho:,} (zipfile: File name in directory and header differ)")
         data_at = lho + LOCAL.size + lnlen + lxlen
         if data_at + csize > cd_offset:
             raise ZipError(
-                f"entry '{name}' ({csize:,} bytes at offset {data_at:,}) runs past the start of "
-                f"the central directory at {cd_offset:,}"
+                f"entry '{_shown(name)}' ({csize:,} bytes at offset {data_at:,}) runs past the "
+                f"start of the central directory at {cd_offset:,}"
             )
+        if (method == STORED and csize != usize) or (
+                method == DEFLATED and usize > MAX_RATIO * csize + MAX_OVERFLOW):
+            raise ZipError(
+                f"entry '{_shown(name)}' records {usize:,} bytes from {csize:,} "
+                + ("stored bytes" if method == STORED else
+                   f"deflated bytes, more than deflate's {MAX_RATIO:,}:1 ceiling")
+                + " (a zip bomb, or a damaged directory)")
         entries.append(ZipEntry(name, method, crc, csize, usize, lho, data_at))
+    _check_layout(entries)
     return ZipDirectory(tuple(entries), cd_offset, trailing)
+
+
+def _shown(name: str) -> str:
+    """A name as messages show it: a crafted one can be 65,535 characters long."""
+    return name if len(name) <= 80 else f"{name[:60]}... ({len(name):,} characters)"
+
+
+def _check_layout(entries: list[ZipEntry]) -> None:
+    """Every byte of the archive before the directory belongs to at most one entry, and the
+    first entry starts the file: entries that share bytes are a zip bomb (many entries, one
+    deflate stream) or two files in one; bytes before the first entry are a second archive or
+    a payload that a reader shifting offsets (zipfile does) would take for entries."""
+    if not entries:
+        return
+    spans = sorted((e.header_offset, e.data_offset + e.compressed_size, e.name) for e in entries)
+    if spans[0][0] != 0:
+        raise ZipError(f"{spans[0][0]:,} bytes before the first entry that the central "
+                       "directory lists (a hidden entry, or data prepended to the archive)")
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ZipError(
+                f"entries '{_shown(name)}' and '{_shown(other)}' overlap (the second starts "
+                f"at offset {start:,}, inside the first): a zip bomb, or two readings of one "
+                f"file ({len(entries):,} entries)")
 
 
 def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
