@@ -13,9 +13,9 @@ whose item i holds `image_path` and `crop_resolution` (h, w) of `<i>.pt`. The gr
 the concept's whole image config with defaults filled in, so files are mapped to images through
 `aggregate.pt`, read with cachedoctor's restricted unpickler, never torch.load. Text embeddings
 go to `<cache_dir>/text/...` with an aggregate of empty dicts. mgds saves tensors from
-`train_device` without `.cpu()` and loads them with `map_location=train_device`, so a GPU
-location is what OneTrainer expects here (no CD501). With `clear_cache_before_training` (the
-default) and `latent_caching`, the master process deletes `image/` and `text/` at every start
+`train_device` without `.cpu()` and loads them with `map_location=train_device`: whatever
+device a file was saved from, its tensors land on the train device (no CD501, no CD502).
+With `clear_cache_before_training` (the default) and `latent_caching`, the master process deletes `image/` and `text/` at every start
 (GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
 
 One dataset per config (named after the config file): OneTrainer's concepts share one cache.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.torch_object import ObjectError, read_object
 from cachedoctor.layouts.base import (
+    ANY_DEVICE,
     CacheFacts,
     Dataset,
     DirectoryNaming,
@@ -66,6 +67,7 @@ IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", "
 NOT_SAMPLES = ("-masklabel", "-condlabel")
 VAE_FACTOR = 8
 PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
+SESSION = "#.json"  # the UI's last-session state, saved in PRESETS at every change
 SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
 
 
@@ -77,12 +79,13 @@ def claims(config: ConfigFile) -> bool:
 
 
 def discover(folder: str) -> list[str]:
-    """Config JSONs at the top of the folder and the user's saved ones in training_presets/
-    (OneTrainer's own presets start with '#')."""
+    """Config JSONs at the top of the folder and the user's ones in training_presets/: those
+    saved by name and `#.json`, the UI's last session (the only config of many projects).
+    OneTrainer's shipped presets are the other `#<name>.json` files (TopBarController)."""
     found = [os.path.join(folder, n) for n in listdir(folder, ending(".json"))]
     presets = os.path.join(folder, PRESETS)
     found += [os.path.join(presets, n) for n in listdir(presets)
-              if n.endswith(".json") and not n.startswith("#")]
+              if n.endswith(".json") and (n == SESSION or not n.startswith("#"))]
     return found
 
 
@@ -158,7 +161,7 @@ def load(config: ConfigFile) -> Layout:
         text_cache_dir=os.path.join(cache_dir, "text"),
         vae_factor=VAE_FACTOR,
         processes=processes,
-        expected_device=train_device,
+        expected_device=ANY_DEVICE,  # mgds loads with map_location=train_device
         cache_rebuilt_at_start=clear and latent_caching,
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
