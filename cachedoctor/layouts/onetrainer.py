@@ -15,8 +15,9 @@ the concept's whole image config with defaults filled in, so files are mapped to
 go to `<cache_dir>/text/...` with an aggregate of empty dicts. mgds saves tensors from
 `train_device` without `.cpu()` and loads them with `map_location=train_device`: whatever
 device a file was saved from, its tensors land on the train device (no CD501, no CD502).
-With `clear_cache_before_training` (the default) and `latent_caching`, the master process deletes `image/` and `text/` at every start
-(GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
+With `clear_cache_before_training` (the default) and `latent_caching`, the master process
+deletes `image/` and `text/` at every start (GenericTrainer.__clear_cache), so missing, orphan
+or stale entries do not matter then.
 
 One dataset per config (named after the config file): OneTrainer's concepts share one cache.
 """
