@@ -27,7 +27,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
@@ -314,6 +314,46 @@ class _Directory(DirectoryNaming):
             return CacheFacts(key=image)
         h, w = crop
         return CacheFacts(key=image, bucket=f"{w}x{h}", expected=(h // VAE_FACTOR, w // VAE_FACTOR))
+
+
+# -- rebuilds (fix) ------------------------------------------------------------------------------
+
+AGGREGATE = "aggregate.pt"
+REBUILT = ("mgds caches this variation folder again at OneTrainer's next start, for its "
+           "samples the repair removes: no aggregate.pt means caching is not done")
+
+
+def rebuilds(removed: Iterable[str], replaced: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
+    """aggregate.pt -> the samples it lists that a repair removes and does not write again.
+
+    mgds (DiskCache.__is_caching_done) takes a variation folder as cached while its
+    aggregate.pt exists, and get_item then opens `<i>.pt` for every sample the aggregate lists:
+    one that is gone raises FileNotFoundError in training. Without aggregate.pt it caches the
+    folder again, every sample, with OneTrainer's own VAE or text encoders. So the aggregate
+    goes with its removed samples. Samples it does not list (CD405) are never opened: they need
+    no rebuild."""
+    gone = sorted(set(removed) - set(replaced))
+    removed_set = set(removed)
+    out: dict[str, list[str]] = {}
+    for path in gone:
+        folder, name = os.path.split(path)
+        aggregate = os.path.join(folder, AGGREGATE)
+        if (not name[:-3].isdigit() or not name.endswith(".pt") or aggregate in removed_set
+                or not VARIATION.match(os.path.basename(folder)) or not os.path.isfile(aggregate)):
+            continue
+        listed = _listed(aggregate)
+        if listed is None or int(name[:-3]) < listed:
+            out.setdefault(aggregate, []).append(path)
+    return {a: tuple(p) for a, p in out.items()}
+
+
+def _listed(aggregate: str) -> int | None:
+    """How many samples an aggregate.pt lists; None when it cannot be read (rebuild anyway)."""
+    try:
+        obj = read_object(aggregate)
+    except (ObjectError, OSError):
+        return None
+    return len(obj) if isinstance(obj, list) else None
 
 
 # -- entries (fix --reencode) ------------------------------------------------------------------

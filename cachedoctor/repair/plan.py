@@ -24,6 +24,7 @@ from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
+from cachedoctor.layouts.onetrainer import REBUILT, rebuilds
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.reencode import ReencodeTarget
 
@@ -56,6 +57,7 @@ class Action:
     size: int = 0  # bytes of the file now (0 for a new entry)
     freed: int = 0  # bytes the cache shrinks by (compact: CD201's estimate of the waste)
     target: ReencodeTarget | None = None  # reencode: what to write
+    why: str = ""  # an action no finding names: why the plan takes it
 
     @property
     def relpath(self) -> str:
@@ -163,6 +165,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
     actions = [_action(path, findings, root_of(path, roots) or "") for path, findings in files.items()]
     if reencode is not None:
         actions += _Reencodes(reencode, roots, actions, notes).actions(files, missing)
+    actions += _rebuilds(actions, roots)
     actions.sort(key=lambda a: (KINDS.index(a.kind), a.path))
     return Plan(tuple(actions), tuple(notes), reencode.encoder if reencode else None)
 
@@ -269,6 +272,22 @@ class _Reencodes:
             else:
                 out[job.path] = Action(REENCODE, job.path, root, job.codes, target=job)
         return list(out.values())
+
+
+def _rebuilds(actions: list[Action], roots: tuple[str, ...]) -> list[Action]:
+    """The OneTrainer aggregate.pt files that go with the samples the plan removes, so that
+    OneTrainer caches those folders again (layouts/onetrainer.rebuilds)."""
+    codes = {a.path: a.codes for a in actions}
+    out = []
+    gone = rebuilds([a.path for a in actions if a.kind == QUARANTINE],
+                    [a.path for a in actions if a.kind == REENCODE])
+    for aggregate, samples in gone.items():
+        root = root_of(aggregate, roots)
+        if root is not None and _why_not(aggregate, roots) is None:
+            size = os.stat(aggregate).st_size
+            out.append(Action(QUARANTINE, aggregate, root, tuple(sorted({c for p in samples for c in codes[p]})),
+                              size, size, why=REBUILT))
+    return out
 
 
 def _reason(exc: Exception) -> str:

@@ -1,0 +1,99 @@
+"""OneTrainer after `fix`: the cache as mgds (Nerogar/mgds 3a6994ad, DiskCache.py) would load it.
+
+mgds is not on PyPI, so `mgds_start` re-implements the two decisions that matter, line for line
+in effect: `__is_caching_done` (the variation folder holds something and its aggregate.pt is a
+file) and, for a folder taken as cached, `get_item`'s lookup of `<i>.pt` for each sample the
+aggregate lists (torch.load with map_location=<train device>). A folder not taken as cached is
+one mgds caches again from the images.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from cachedoctor.fixtures.projects import onetrainer
+
+from conftest import codes, invoke, scan_paths
+
+
+def mgds_start(cache: Path) -> list[Path]:
+    """The variation folders mgds would cache again; raises FileNotFoundError where training
+    would (a listed sample whose file is gone)."""
+    recached = []
+    for folder in sorted(cache.glob("*/*/variation-*")):
+        aggregate = folder / "aggregate.pt"
+        done = any(os.scandir(folder)) and aggregate.is_file()
+        if not done:
+            recached.append(folder)
+            continue
+        listed = torch.load(aggregate, weights_only=True, map_location="cpu")
+        for index in range(len(listed)):
+            torch.load(folder / f"{index}.pt", weights_only=True, map_location="cpu")
+    return recached
+
+
+def cut(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])  # a writer killed mid-archive: CD101
+
+
+def test_a_removed_text_sample_makes_mgds_cache_its_folder_again(tmp_path: Path) -> None:
+    """A broken text-encoder sample is quarantined; no encoder here can write it again, so its
+    aggregate.pt goes too, and mgds caches that folder again instead of raising
+    FileNotFoundError in training. Undo puts both back."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [text] = (cache / "text").glob("*/variation-0")
+    [image] = (cache / "image").glob("*/variation-0")
+    cut(text / "1.pt")
+    assert "CD101" in codes(scan_paths(project.config))
+
+    result = invoke("fix", str(project.config), "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "mgds caches this variation folder again" in result.output
+    assert not (text / "1.pt").exists() and not (text / "aggregate.pt").exists()
+    assert (image / "aggregate.pt").exists()  # untouched: nothing of it was removed
+    assert mgds_start(cache) == [text]
+    assert not {f.code for f in scan_paths(project.config).findings if f.severity >= 2}
+
+    assert invoke("undo").exit_code == 0
+    assert (text / "aggregate.pt").exists() and (text / "1.pt").exists()
+
+
+def test_the_aggregate_stays_where_the_fix_encodes_the_sample_again(tmp_path: Path) -> None:
+    """--reencode writes the stale image sample again, as mgds would: its folder needs no
+    rebuild. Without --reencode the folder is cached again by OneTrainer."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD406"])
+    cache = project.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert (image / "3.pt").exists() and (image / "aggregate.pt").exists()
+    assert mgds_start(cache) == []
+
+    again = onetrainer.build(tmp_path / "again", defects=["CD406"])
+    cache = again.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+    result = invoke("fix", str(again.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert not (image / "aggregate.pt").exists()
+    assert mgds_start(cache) == [image]
+
+
+def test_an_unlisted_sample_goes_alone(tmp_path: Path) -> None:
+    """A sample beyond what aggregate.pt lists (CD405) is never opened by mgds: quarantining
+    it needs no rebuild."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD405"])
+    cache = project.root / "workspace-cache" / "run"
+
+    result = invoke("fix", str(project.config), "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "mgds caches" not in result.output
+    assert mgds_start(cache) == []
