@@ -7,17 +7,18 @@ from its working dir, the OneTrainer folder, where the UI saves configs in
 `training_presets/`. So a config in `<root>/training_presets/` resolves against `<root>`, any
 other config against its own folder.
 
-Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample: `latent_image`,
-`original_resolution`, `crop_offset`, ...) and `aggregate.pt` beside them, written last: a list
-whose item i holds `image_path` and `crop_resolution` (h, w) of `<i>.pt`. The group hash covers
-the concept's whole image config with defaults filled in, so files are mapped to images through
-`aggregate.pt`, read with cachedoctor's restricted unpickler, never torch.load. Text embeddings
-go to `<cache_dir>/text/...` with an aggregate of empty dicts. mgds saves tensors from
-`train_device` without `.cpu()` and loads them with `map_location=train_device`: whatever
-device a file was saved from, its tensors land on the train device (no CD501, no CD502).
-With `clear_cache_before_training` (the default) and `latent_caching`, the master process
-deletes `image/` and `text/` at every start (GenericTrainer.__clear_cache), so missing, orphan
-or stale entries do not matter then.
+Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample, keys as the
+model's data loader names them: `latent_image` alone for SD 1.x/2.x, PixArt and Sana, with
+`original_resolution` and `crop_offset` for SDXL, SD3, Flux and most others) and `aggregate.pt`
+beside them, written last: a list whose item i holds `image_path` and `crop_resolution` (h, w)
+of `<i>.pt`. The group hash covers the concept's whole image config with defaults filled in, so
+files are mapped to images through `aggregate.pt`, read with cachedoctor's restricted unpickler,
+never torch.load. Text embeddings go to `<cache_dir>/text/...` with an aggregate of empty dicts.
+mgds saves tensors from `train_device` without `.cpu()` and loads them with
+`map_location=train_device`: whatever device a file was saved from, its tensors land on the
+train device (no CD501, no CD502). With `clear_cache_before_training` (the default) and
+`latent_caching`, the master process deletes `image/` and `text/` at every start
+(GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
 
 One dataset per config (named after the config file): OneTrainer's concepts share one cache.
 """
@@ -29,7 +30,9 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
+from cachedoctor.findings import display_path
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.torch_object import ObjectError, read_object
 from cachedoctor.layouts.base import (
@@ -275,11 +278,28 @@ class OneTrainerNaming(Naming):
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, area)
 
+    @cached_property
+    def listings(self) -> dict[str, str]:
+        """image -> the sample file an aggregate.pt lists for it (the first, by folder)."""
+        out: dict[str, str] = {}
+        for folder, samples in sorted(self.aggregates.items()):
+            for index, (image, _) in enumerate(samples):
+                if image is not None:
+                    out.setdefault(image, os.path.join(folder, f"{index}.pt"))
+        return out
+
     def expected_entry(self, image: str) -> str:
-        return "an entry in an aggregate.pt"
+        listed = self.listings.get(image)
+        return listed if listed is not None else "an entry in an aggregate.pt"
 
     def missing_text(self, image: str, cache_dir: str) -> str:
-        return f"no aggregate.pt under {cache_dir} lists it"
+        listed = self.listings.get(image)
+        if listed is not None:  # mgds get_item opens it: FileNotFoundError in training
+            folder, name = os.path.split(listed)
+            return (f"{display_path(os.path.join(folder, AGGREGATE))} lists it as sample "
+                    f"{name[:-3]}, but {name} is missing")
+        return (f"no aggregate.pt under {cache_dir} lists it (added after its concept was cached:"
+                " mgds does not cache it again while the folder's aggregate.pt exists)")
 
 
 class _Directory(DirectoryNaming):
@@ -368,8 +388,9 @@ NEW_SAMPLE = ("OneTrainer pairs its image and text cache entries by sample numbe
 
 class _Entries(Entries):
     """OneTrainer's image cache samples (mgds DiskCache): `<i>.pt` in a variation folder, a dict
-    of `latent_image` (the VAE's mean, unscaled, in vae_train_dtype, saved from train_device),
-    `original_resolution` (h, w) and `crop_offset` (y, x). The image is scaled to cover the
+    of `latent_image` (the VAE's mean, unscaled, in vae_train_dtype, saved from train_device)
+    and, where its neighbours hold them (the SDXL-style loaders), `original_resolution` (h, w)
+    and `crop_offset` (y, x). The image is scaled to cover the
     sample's `crop_resolution` in aggregate.pt and cropped in the centre (mgds AspectBucketing,
     ScaleCropImage; with crop jitter OneTrainer draws the offset, the centre being one it can
     draw). A sample keeps its number, so aggregate.pt stays as it is; it is saved on the device
@@ -399,7 +420,9 @@ class _Entries(Entries):
         from cachedoctor import images
 
         if replacing is None:
-            raise NoSpec(NEW_SAMPLE)
+            replacing = self.naming.listings.get(image)  # listed, its file gone: same number
+            if replacing is None:
+                raise NoSpec(NEW_SAMPLE)
         crop = self._sample(replacing)[1]
         if crop is None:
             raise NoSpec("aggregate.pt gives no crop_resolution for it")

@@ -97,3 +97,48 @@ def test_an_unlisted_sample_goes_alone(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "mgds caches" not in result.output
     assert mgds_start(cache) == []
+
+
+def test_a_listed_sample_whose_file_is_gone_is_cd404_and_is_encoded_again(tmp_path: Path) -> None:
+    """aggregate.pt still lists the sample; its file is what is missing (mgds' get_item would
+    raise FileNotFoundError). The message says so, and --reencode writes it under its number."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+    (image / "2.pt").unlink()
+    (missing,) = [f for f in scan_paths(project.config).findings if f.code == "CD404"]
+    listed = torch.load(image / "aggregate.pt", weights_only=True)[2]["image_path"]
+    assert missing.path == str(project.root / listed)
+    assert "lists it as sample 2, but 2.pt is missing" in missing.message, missing.message
+    assert missing.details["expected_entry"] == str(image / "2.pt")
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert (image / "2.pt").exists() and mgds_start(cache) == []
+    assert not codes(scan_paths(project.config))
+
+
+def test_an_image_no_aggregate_lists_is_cd404_saying_so(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    (missing,) = [f for f in scan_paths(project.config).findings if f.code == "CD404"]
+    assert "no aggregate.pt under" in missing.message and "lists it (added after" in missing.message
+
+
+def test_an_sd15_style_sample_is_written_with_the_latent_alone(tmp_path: Path) -> None:
+    """OneTrainer's SD 1.x/2.x, PixArt and Sana loaders cache {'latent_image'} only
+    (image_split_names in modules/dataLoader/*BaseDataLoader.py): the new sample holds the
+    keys its neighbours hold, nothing more."""
+    project = onetrainer.build(tmp_path / "ot")
+    [image] = (project.root / "workspace-cache" / "run" / "image").glob("*/variation-0")
+    for sample in image.glob("[0-9]*.pt"):
+        value = torch.load(sample, weights_only=True, map_location="cpu")
+        torch.save({"latent_image": value["latent_image"]}, sample)
+    (image / "2.pt").unlink()
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    written = torch.load(image / "2.pt", weights_only=True, map_location="cpu")
+    assert sorted(written) == ["latent_image"]
+    assert mgds_start(project.root / "workspace-cache" / "run") == []
