@@ -26,10 +26,11 @@ One dataset per config (named after the config file): OneTrainer's concepts shar
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from cachedoctor.findings import display_path
@@ -120,6 +121,7 @@ def load(config: ConfigFile) -> Layout:
     if concepts_file:
         files.append(concepts_file.path)
     image_dirs, shallow, concept_origins = [], [], {}
+    concept_caches: dict[str, list[str]] = {}  # image dir -> its concepts' aggregate.pt files
     for index, concept in enumerate(concepts or []):
         where = concepts_file or config
         at = (index,) if concepts_file else ("concepts", index)
@@ -142,6 +144,7 @@ def load(config: ConfigFile) -> Layout:
                              ident)
         image_dirs.append(directory)
         concept_origins[directory] = origin
+        concept_caches.setdefault(directory, []).extend(_group_aggregates(cache_dir, concept))
         if not typed(where, problems, at, concept, "include_subdirectories", bool, False, ident):
             shallow.append(directory)
     aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
@@ -173,7 +176,8 @@ def load(config: ConfigFile) -> Layout:
                         "cache_shared_with": shared,
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
-        naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching),
+        naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching,
+                                concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()})),
     )
     return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
                   _reason(root))
@@ -221,6 +225,28 @@ def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
         if isinstance(value, str) and canonical(resolve(working_dir(other, PRESETS), value)) == mine:
             found.append(other)
     return tuple(found)
+
+
+def _group_aggregates(cache_dir: str, concept: dict) -> list[str]:
+    """The aggregate.pt files of a concept's image and text cache folders that exist. mgds names
+    a group folder by the sha256 of the compact sorted JSON of the concept values OneTrainer
+    groups by (DiskCache.__string_key; DataLoaderText2ImageMixin: path, seed,
+    include_subdirectories, and image or text); the concept as saved gives it where it holds
+    every value (the UI saves them all)."""
+    import hashlib
+
+    found = []
+    for area, part, count in (("image", "image", "image_variations"),
+                              ("text", "text", "text_variations")):
+        values = [concept.get(k) for k in ("path", "seed", "include_subdirectories", part)]
+        variations = concept.get(count, 1)
+        if any(v is None for v in values) or not isinstance(variations, int):
+            continue
+        text = json.dumps(values, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+        group = os.path.join(cache_dir, area, hashlib.sha256(text.encode("utf-8")).hexdigest())
+        found += [a for n in range(max(variations, 1))
+                  if os.path.isfile(a := os.path.join(group, f"variation-{n}", "aggregate.pt"))]
+    return found
 
 
 # -- aggregate.pt --------------------------------------------------------------------------------
@@ -271,6 +297,7 @@ class OneTrainerNaming(Naming):
 
     aggregates: Mapping[str, Samples]  # variation dir -> (image, crop) by sample index
     expects_cache: bool = True
+    concept_caches: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(self, changes)
@@ -416,13 +443,24 @@ class _Entries(Entries):
     def source(self, entry: str) -> str:
         return self._sample(entry)[0]
 
+    def _new_sample(self, image: str) -> str:
+        """NEW_SAMPLE, naming the aggregate.pt files to move away where the concept's folders
+        are known: without them mgds caches those folders again, this image included."""
+        folders = [a for d, found in self.naming.concept_caches.items()
+                   if os.path.dirname(image) == d or image.startswith(d.rstrip(os.sep) + os.sep)
+                   for a in found]
+        if not folders:
+            return NEW_SAMPLE
+        return (f"{NEW_SAMPLE.split(': let')[0]}: move {' and '.join(dict.fromkeys(folders))} "
+                "out of the cache, and OneTrainer caches this concept again at its next start")
+
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
         from cachedoctor import images
 
         if replacing is None:
             replacing = self.naming.listings.get(image)  # listed, its file gone: same number
             if replacing is None:
-                raise NoSpec(NEW_SAMPLE)
+                raise NoSpec(self._new_sample(image))
         crop = self._sample(replacing)[1]
         if crop is None:
             raise NoSpec("aggregate.pt gives no crop_resolution for it")

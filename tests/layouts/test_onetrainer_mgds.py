@@ -142,3 +142,22 @@ def test_an_sd15_style_sample_is_written_with_the_latent_alone(tmp_path: Path) -
     written = torch.load(image / "2.pt", weights_only=True, map_location="cpu")
     assert sorted(written) == ["latent_image"]
     assert mgds_start(project.root / "workspace-cache" / "run") == []
+
+
+def test_a_new_image_s_plan_note_names_the_aggregates_to_move_away(tmp_path: Path) -> None:
+    """An image no aggregate.pt lists needs a new sample in the image and the text cache: the
+    plan says which two aggregate.pt files to move away (mgds' group folders of its concept),
+    and doing so makes mgds cache both folders again."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    cache = project.root / "workspace-cache" / "run"
+    aggregates = sorted(cache.glob("*/*/variation-0/aggregate.pt"))
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for aggregate in aggregates:
+        assert aggregate.name in text and aggregate.parent.parent.name[:12] in text, text
+    for aggregate in aggregates:
+        aggregate.rename(tmp_path / f"{aggregate.parent.parent.parent.name}.pt")
+    assert mgds_start(cache) == [a.parent for a in aggregates]
