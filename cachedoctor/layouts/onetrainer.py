@@ -122,6 +122,7 @@ def load(config: ConfigFile) -> Layout:
         files.append(concepts_file.path)
     image_dirs, shallow, concept_origins = [], [], {}
     concept_caches: dict[str, list[str]] = {}  # image dir -> its concepts' aggregate.pt files
+    pairs: list[tuple[str, str]] = []  # (image variation folder, text aggregate.pt) of a concept
     for index, concept in enumerate(concepts or []):
         where = concepts_file or config
         at = (index,) if concepts_file else ("concepts", index)
@@ -144,10 +145,14 @@ def load(config: ConfigFile) -> Layout:
                              ident)
         image_dirs.append(directory)
         concept_origins[directory] = origin
-        concept_caches.setdefault(directory, []).extend(_group_aggregates(cache_dir, concept))
+        groups = _group_aggregates(cache_dir, concept)
+        concept_caches.setdefault(directory, []).extend(groups["image"] + groups["text"])
+        if len(groups["image"]) == len(groups["text"]) == 1:  # one variation each: paired by number
+            pairs.append((os.path.dirname(groups["image"][0]), groups["text"][0]))
         if not typed(where, problems, at, concept, "include_subdirectories", bool, False, ident):
             shallow.append(directory)
     aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
+    text_gone = _text_gone(aggregates, pairs)
     shared = _sharing(config.path, root, cache_dir) if clear and latent_caching else ()
     origins = {
         "latent_cache_dir": config.origin("cache_dir"),
@@ -177,7 +182,8 @@ def load(config: ConfigFile) -> Layout:
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching,
-                                concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()})),
+                                concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()}),
+                                text_gone=frozen(text_gone)),
     )
     return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
                   _reason(root))
@@ -227,7 +233,24 @@ def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _group_aggregates(cache_dir: str, concept: dict) -> list[str]:
+def _text_gone(aggregates: Mapping[str, Samples], pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """Image -> its text-encoder sample, where the text folder's aggregate.pt lists that sample
+    and its file is gone (mgds' get_item would raise FileNotFoundError). Both caches number a
+    concept's samples alike (the same group indices), so text sample i is image sample i's."""
+    out = {}
+    for image_folder, text_aggregate in pairs:
+        samples, listed = aggregates.get(image_folder), _listed(text_aggregate)
+        if samples is None or listed is None:
+            continue
+        folder = os.path.dirname(text_aggregate)
+        for index, (image, _) in enumerate(samples[:listed]):
+            path = os.path.join(folder, f"{index}.pt")
+            if image is not None and not os.path.lexists(path):
+                out[image] = path
+    return out
+
+
+def _group_aggregates(cache_dir: str, concept: dict) -> dict[str, list[str]]:
     """The aggregate.pt files of a concept's image and text cache folders that exist. mgds names
     a group folder by the sha256 of the compact sorted JSON of the concept values OneTrainer
     groups by (DiskCache.__string_key; DataLoaderText2ImageMixin: path, seed,
@@ -235,7 +258,7 @@ def _group_aggregates(cache_dir: str, concept: dict) -> list[str]:
     every value (the UI saves them all)."""
     import hashlib
 
-    found = []
+    found: dict[str, list[str]] = {"image": [], "text": []}
     for area, part, count in (("image", "image", "image_variations"),
                               ("text", "text", "text_variations")):
         values = [concept.get(k) for k in ("path", "seed", "include_subdirectories", part)]
@@ -244,8 +267,8 @@ def _group_aggregates(cache_dir: str, concept: dict) -> list[str]:
             continue
         text = json.dumps(values, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
         group = os.path.join(cache_dir, area, hashlib.sha256(text.encode("utf-8")).hexdigest())
-        found += [a for n in range(max(variations, 1))
-                  if os.path.isfile(a := os.path.join(group, f"variation-{n}", "aggregate.pt"))]
+        found[area] += [a for n in range(max(variations, 1))
+                        if os.path.isfile(a := os.path.join(group, f"variation-{n}", AGGREGATE))]
     return found
 
 
@@ -298,6 +321,7 @@ class OneTrainerNaming(Naming):
     aggregates: Mapping[str, Samples]  # variation dir -> (image, crop) by sample index
     expects_cache: bool = True
     concept_caches: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
+    text_gone: Mapping[str, str] = field(default_factory=frozen)  # image -> missing text sample
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(self, changes)
@@ -320,6 +344,11 @@ class OneTrainerNaming(Naming):
         return listed if listed is not None else "an entry in an aggregate.pt"
 
     def missing_text(self, image: str, cache_dir: str) -> str:
+        text = self.text_gone.get(image)
+        if text is not None:
+            folder, name = os.path.split(text)
+            return (f"its text-encoder sample {name} is missing from {display_path(folder)}, "
+                    "whose aggregate.pt lists it")
         listed = self.listings.get(image)
         if listed is not None:  # mgds get_item opens it: FileNotFoundError in training
             folder, name = os.path.split(listed)
@@ -343,7 +372,10 @@ class _Directory(DirectoryNaming):
         stem, ext = os.path.splitext(name)
         if ext.lower() not in IMAGE_EXTENSIONS or stem.endswith(NOT_SAMPLES):
             return None
-        return os.path.join(self.path, name), self.naming.expects_cache
+        key = os.path.join(self.path, name)
+        if key in self.naming.text_gone:  # its latent is there, its text sample is not: CD404
+            return f"{key}@text", self.naming.expects_cache
+        return key, self.naming.expects_cache
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_variation or not name.endswith(".pt"):
@@ -357,6 +389,8 @@ class _Directory(DirectoryNaming):
         if not 0 <= index < len(self.entries):
             return CacheFacts(key=f"unlisted:{self.path}/{index}", naming="unlisted")
         image, crop = self.entries[index]
+        if image in self.naming.text_gone:
+            image = None  # its image is reported for its missing text sample, this is no orphan
         if crop is None:
             return CacheFacts(key=image)
         h, w = crop
@@ -457,6 +491,11 @@ class _Entries(Entries):
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
         from cachedoctor import images
 
+        text = self.naming.text_gone.get(image)
+        if text is not None and replacing is None:
+            raise NoSpec(f"its text-encoder sample is what is missing, which cachedoctor cannot "
+                         f"make: move {os.path.join(os.path.dirname(text), AGGREGATE)} out of the"
+                         " cache, and OneTrainer caches that folder again at its next start")
         if replacing is None:
             replacing = self.naming.listings.get(image)  # listed, its file gone: same number
             if replacing is None:

@@ -16,7 +16,7 @@ import torch
 
 from cachedoctor.fixtures.projects import onetrainer
 
-from conftest import codes, invoke, scan_paths
+from conftest import by_code, codes, invoke, scan_paths
 
 
 def mgds_start(cache: Path) -> list[Path]:
@@ -161,3 +161,27 @@ def test_a_new_image_s_plan_note_names_the_aggregates_to_move_away(tmp_path: Pat
     for aggregate in aggregates:
         aggregate.rename(tmp_path / f"{aggregate.parent.parent.parent.name}.pt")
     assert mgds_start(cache) == [a.parent for a in aggregates]
+
+
+def test_a_missing_text_sample_is_cd404_on_its_image(tmp_path: Path) -> None:
+    """Text sample 1 deleted while text/.../aggregate.pt lists it: mgds' get_item would raise
+    FileNotFoundError. The scan says so on image sample 1's image (both caches number a
+    concept's samples alike); its latent is no orphan; the plan names the aggregate to move."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [text] = (cache / "text").glob("*/variation-0")
+    [image] = (cache / "image").glob("*/variation-0")
+    (text / "1.pt").unlink()
+    report = scan_paths(project.config)
+    (missing,) = by_code(report, "CD404")
+    listed = torch.load(image / "aggregate.pt", weights_only=True)[1]["image_path"]
+    assert missing.path == str(project.root / listed)
+    assert "text-encoder sample 1.pt is missing" in missing.message, missing.message
+    assert "CD405" not in codes(report)
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "aggregate.pt out of the cache" in " ".join(result.output.split())
+    (text / "aggregate.pt").rename(tmp_path / "aggregate.pt")
+    assert mgds_start(cache) == [text]
