@@ -7,7 +7,7 @@ lists (every image, before the first bucket scan) unless `vae_cache_ondemand` or
 `<stem>.npz` beside it); OneTrainer for every image of an enabled concept (an entry in some
 `aggregate.pt`), unless it clears its cache at each start; ai-toolkit with
 `cache_latents_to_disk`, for every image (a `_latent_cache/<stem>_<hash>.safetensors` whose
-header names it).
+header names it; with a list of resolutions, one per distinct bucket they give the image).
 
 ## Why is this bad?
 A partial cache is what a caching pass that died (out of memory, SimpleTuner #859), a cache
@@ -23,10 +23,10 @@ CD404 error datasets/photos/beach_0042.png  no cached latent: 4c1f…9e.pt is mi
 
 ## Fix
 `cachedoctor fix CONFIG --reencode --encoder SPEC` encodes the missing entries in the trainer's
-own naming, bucket and format (SimpleTuner, kohya, ai-toolkit); or let the trainer's caching
-pass run again (with SimpleTuner, without `skip_file_discovery=vae`). OneTrainer pairs image and
-text cache entries by sample number, so a missing sample needs its caching pass: clear that
-concept's cache.
+own naming, bucket and format (SimpleTuner, kohya, ai-toolkit, and OneTrainer samples its
+`aggregate.pt` lists); or let the trainer's caching pass run again (with SimpleTuner, without
+`skip_file_discovery=vae`). OneTrainer pairs image and text cache entries by sample number, so
+an image no `aggregate.pt` lists needs its caching pass: clear that concept's cache.
 """
 
 from __future__ import annotations

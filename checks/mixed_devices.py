@@ -11,10 +11,17 @@ found at least two devices, cuda:0 and cpu!` (OneTrainer #459: validation mixed 
 tensors with live CUDA ones). A cache whose files disagree usually had several writers (ranks,
 or a GPU and a CPU caching pass); which device a sample loads onto then depends on the sample.
 
+Not reported where the trainer's loader passes `map_location` (SimpleTuner: `"cpu"`; OneTrainer's
+mgds: its `train_device`; a OneTrainer cache scanned without its config, known by its
+`aggregate.pt` files): every tensor then lands on that one device, whatever it was saved from.
+kohya's npz, ai-toolkit's safetensors and 🤗 datasets' Arrow files record no device at all. A
+cache no trainer config describes (its loader unknown) is judged as a plain `torch.load` would
+load it.
+
 ## Example
 ```
-CD502 error cache/image/3a9f…/variation-0/7.pt  tensors on different devices: cpu (latent_image), cuda:0 (latent_mask)
-CD502 error workspace-cache/run/image             files saved from different devices: cpu: 28 files, cuda:0: 12 files
+CD502 error cache/1024x1024/0007.pt  tensors on different devices: cpu (latent_image), cuda:0 (latent_mask)
+CD502 error cache                    files saved from different devices: cpu: 28 files, cuda:0: 12 files
 ```
 
 ## Fix
@@ -30,6 +37,7 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts.base import ANY_DEVICE
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import count
@@ -37,8 +45,13 @@ from cachedoctor.units import count
 MAX_LISTED = 1000
 
 
+def _mapped(ctx: RuleContext) -> bool:
+    """Whether the trainer loads with map_location: every tensor on one device, no mix."""
+    return ctx.facts is not None and ctx.facts.expected_device == ANY_DEVICE
+
+
 def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
-    if len(meta.tensors) < 2:
+    if len(meta.tensors) < 2 or _mapped(ctx):
         return None
     locations = meta.locations
     if len(locations) < 2:
@@ -49,6 +62,8 @@ def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    if _mapped(ctx):
+        return
     counts: Counter[str] = Counter()
     for g, n in view.tally().items():
         if len(g.locations) == 1:  # a file mixed within itself is reported by check_file

@@ -10,14 +10,17 @@ On a multi-GPU host every rank loads the sample onto the saving rank's GPU, and 
 tensors with live ones fails with `Expected all tensors to be on the same device` (OneTrainer
 #459, where the cache is written from `train_device` without `.cpu()`).
 
-Not reported where the trainer itself loads the cache onto that device: OneTrainer saves from
-and loads to its `train_device` (`map_location=train_device`), so `cuda:0` is expected there.
-A OneTrainer cache scanned without its config (known by its `aggregate.pt` files) may hold any
-device: the train_device is in the config.
+Not reported where the trainer's loader passes `map_location`, since every tensor then lands
+where the trainer wants it, whatever it was saved from: SimpleTuner loads its caches with
+`map_location="cpu"`, OneTrainer's mgds with `map_location=<train_device>` (so does a OneTrainer
+cache scanned without its config, known by its `aggregate.pt` files). kohya's npz, ai-toolkit's
+safetensors and 🤗 datasets' Arrow files record no device. A warning in a cache no trainer
+config describes: its loader is unknown, and a plain `torch.load` puts the tensors back on the
+saving device.
 
 ## Example
 ```
-CD501 warning cache/image/3a9f…/variation-0/12.pt  tensors stored on cuda:0 (3 of 3 tensors)
+CD501 warning cache/1024x1024/0042.pt  tensors stored on cuda:0 (1 of 1 tensors)
 ```
 
 ## Fix

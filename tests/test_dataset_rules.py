@@ -110,12 +110,13 @@ def test_onetrainer_cache_cleared_at_start_skips_coverage(tmp_path: Path) -> Non
     assert not codes & {"CD404", "CD405", "CD406"}
 
 
-def test_onetrainer_gpu_locations_are_expected_but_not_on_a_cpu_trainer(tmp_path: Path) -> None:
+def test_onetrainer_gpu_locations_are_expected_on_any_train_device(tmp_path: Path) -> None:
+    """mgds loads with map_location=train_device: a cuda:0 sample is fine on a CPU trainer."""
     project = onetrainer.build(tmp_path / "project")
     assert not [f for f in scan_paths(project.config).findings if f.code == "CD501"]
     config = project.config.read_text().replace('"train_device": "cuda"', '"train_device": "cpu"')
     project.config.write_text(config)
-    assert [f for f in scan_paths(project.config).findings if f.code == "CD501"]
+    assert not [f for f in scan_paths(project.config).findings if f.code in ("CD501", "CD502")]
 
 
 def test_simpletuner_ondemand_cache_expects_no_entries(tmp_path: Path) -> None:

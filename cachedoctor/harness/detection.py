@@ -14,9 +14,12 @@ def scan_targets(project: Project) -> list[str]:
 
     Until a layout claims `config.json` it would be scanned as a stray JSON file, so it is left
     out; the cache dirs are walked once either way (the engine skips dirs already walked).
+    A project whose entries the harness loads without SimpleTuner's map_location is scanned
+    without its config: the device rules judge by the loader the config implies.
     """
     config = str(project.config_path)
-    targets = [config] if resolve([config])[0].trainer != "bare" else []
+    read = not project.plain_loader and resolve([config])[0].trainer != "bare"
+    targets = [config] if read else []
     return targets + [str(d) for d in dict.fromkeys(project.cache_dirs) if d.exists()]
 
 

@@ -50,6 +50,9 @@ class Project:
     dataset_id: str = "photos"
     overlap: bool = False  # the image dir is the VAE cache dir (field notes, incident 5)
     clear_each_epoch: bool = False  # vae_cache_clear_each_epoch (incident 2)
+    # the harness loads entries with a plain torch.load, not SimpleTuner's map_location="cpu":
+    # scanned as caches whose loader is unknown, not through the SimpleTuner config (incident 3)
+    plain_loader: bool = False
 
     @property
     def channels(self) -> int:

@@ -13,7 +13,9 @@ info dict in the header metadata (`filename`, `scale_to_width/height`, `crop_x/y
 `crop_width/height`, `latent_space_version`, ...). The hash covers those values, so a changed
 resolution or model writes new files beside the old ones. The bucket of a latent is its crop
 size; its expected size is the crop size / 8 for the VAE families known to use factor 8.
-Caches beside the images are by design (no CD401).
+Caches beside the images are by design (no CD401). A `resolution` list makes one dataset per
+resolution (config_modules.py preprocess_dataset_raw_config), all caching into the same
+folders: each image then has one entry per distinct bucket (toolkit/buckets.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cachedoctor.formats import read_path
@@ -118,14 +120,18 @@ def load(config: ConfigFile) -> Layout:
         to_disk = typed(config, problems, at, dataset, "cache_latents_to_disk", bool, False, ident)
         text = typed(config, problems, at, dataset, "cache_text_embeddings", bool,
                      bool(train.get("cache_text_embeddings", False)), ident)
-        typed(config, problems, at, dataset, "resolution", (int, list), None, ident,
-              "a size such as 1024 or a list of sizes")
+        resolution = typed(config, problems, at, dataset, "resolution", (int, list), 512, ident,
+                           "a size such as 1024 or a list of sizes")
+        buckets = _buckets(dataset, resolution)
+        incomplete = _incomplete(directory, buckets) if to_disk and buckets is not None \
+            and len(buckets.resolutions) > 1 else {}
         out.append(Dataset(
             ident, image_dirs=(directory,), latent_cache_dir=os.path.join(directory, LATENT_DIR),
             text_cache_dir=os.path.join(directory, TEXT_DIR), caches_beside_images=True,
             options=frozen({"cache_latents_to_disk": to_disk, "cache_text_embeddings": text}),
             origins=frozen({"image_dir": origin, "dataset": config.origin(*at)}),
-            naming=AIToolkitNaming(directory, expects_cache=to_disk),
+            naming=AIToolkitNaming(directory, expects_cache=to_disk, buckets=buckets,
+                                   incomplete=frozen(incomplete)),
         ))
     return Layout(NAME, config.path, tuple(out), tuple(problems.items), (config.path,), root,
                   _reason(root))
@@ -137,9 +143,13 @@ class AIToolkitNaming(Naming):
 
     root: str  # the dataset's folder_path; None-like "" for a bare cache
     expects_cache: bool = True
+    buckets: Buckets | None = None  # the dataset's bucket settings (None for a bare cache)
+    # multi-resolution datasets: image key -> the buckets ("WxH") of the resolutions whose entry
+    # is missing, for images that have the entry of some other resolution
+    incomplete: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
-        return _Entries(changes)
+        return _Entries(changes, self)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path)
@@ -149,7 +159,16 @@ class AIToolkitNaming(Naming):
         return f"{LATENT_DIR}/{stem}_<hash>.safetensors"
 
     def missing_text(self, image: str, cache_dir: str) -> str:
+        missing = self.incomplete.get(self.key(image))
+        if missing:
+            return (f"no {LATENT_DIR} entry for its {' and '.join(missing)} bucket"
+                    f"{'s' * (len(missing) > 1)} (one resolution of the dataset's list), though "
+                    "it has another resolution's")
         return f"expected {self.expected_entry(image)} beside it, with its name in the header"
+
+    def key(self, image: str) -> str:
+        rel = os.path.relpath(image, self.root)
+        return rel.replace(os.sep, "/")
 
 
 class _Directory(DirectoryNaming):
@@ -168,12 +187,18 @@ class _Directory(DirectoryNaming):
             return None
         if not name.lower().endswith(IMAGE_EXTENSIONS):
             return None
-        return self.prefix + name, self.naming.expects_cache
+        key = self.prefix + name
+        if key in self.naming.incomplete:  # one of its resolutions' entries is missing: CD404
+            return f"{key}@{','.join(self.naming.incomplete[key])}", self.naming.expects_cache
+        return key, self.naming.expects_cache
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_latents or not name.endswith(".safetensors"):
             return CacheFacts()
-        return header_facts(meta, self.prefix)
+        facts = header_facts(meta, self.prefix)
+        if facts.key in self.naming.incomplete:
+            return facts._replace(key=None)  # its image is reported missing another entry
+        return facts
 
 
 def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:
@@ -190,10 +215,114 @@ def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:
     return CacheFacts(key=key, bucket=f"{width}x{height}", expected=expected, family=family)
 
 
+# -- buckets (toolkit/buckets.py, dataloader_mixins.py BucketsMixin.setup_buckets) -------------
+
+
+class Buckets(NamedTuple):
+    """What decides an ai-toolkit dataset's buckets. ai-toolkit splits a dataset whose
+    `resolution` is a list into one dataset per resolution (config_modules.py
+    preprocess_dataset_raw_config), all caching into the same `_latent_cache`: an image has one
+    entry per distinct bucket of those resolutions."""
+
+    resolutions: tuple[int, ...]
+    tolerance: int = 64  # bucket_tolerance: the divisibility of bucket sides
+    scale: float = 1.0
+    square: bool = False  # square_crop
+
+    def crops(self, size: tuple[int, int]) -> list[tuple[int, int]]:
+        """The distinct (crop width, crop height) of an image of `size`, by resolution."""
+        return list(dict.fromkeys(self.geometry(size, r)[4:] for r in self.resolutions))
+
+    def geometry(self, size: tuple[int, int], resolution: int) -> tuple[int, int, int, int, int, int]:
+        """(scale_to_width, scale_to_height, crop_x, crop_y, crop_width, crop_height) with the
+        centre crop, as setup_buckets computes them."""
+        width, height = int(size[0] * self.scale), int(size[1] * self.scale)
+        if self.square:
+            factor = max(resolution / width, resolution / height)
+            to_w, to_h = math.ceil(width * factor), math.ceil(height * factor)
+            x = int(to_w / 2 - resolution / 2) if width > height else 0
+            y = 0 if width > height else int(to_h / 2 - resolution / 2)
+            return to_w, to_h, x, y, resolution, resolution
+        crop_w, crop_h = bucket_for(width, height, resolution, self.tolerance)
+        factor = max(crop_w / width, crop_h / height)
+        to_w, to_h = math.ceil(width * factor), math.ceil(height * factor)
+        return to_w, to_h, int((to_w - crop_w) / 2), int((to_h - crop_h) / 2), crop_w, crop_h
+
+
+def bucket_for(width: int, height: int, resolution: int, divisibility: int) -> tuple[int, int]:
+    """toolkit/buckets.py get_bucket_for_image_size: the sides, multiples of `divisibility`,
+    whose area is nearest the image's capped at resolution², never above that cap."""
+    total, cap = width * height, resolution * resolution
+    target = min(total, cap)
+    scaler = (target / total) ** 0.5
+    w_raw, h_raw = width * scaler / divisibility, height * scaler / divisibility
+    candidates = [(math.floor(w_raw) * divisibility, math.floor(h_raw) * divisibility),
+                  (math.floor(w_raw) * divisibility, math.ceil(h_raw) * divisibility),
+                  (math.ceil(w_raw) * divisibility, math.floor(h_raw) * divisibility),
+                  (math.ceil(w_raw) * divisibility, math.ceil(h_raw) * divisibility)]
+    capped = [(w, h) for w, h in candidates if w > 0 and h > 0 and w * h <= cap]
+    if not capped:
+        capped = [(max(divisibility, math.floor(w_raw) * divisibility),
+                   max(divisibility, math.floor(h_raw) * divisibility))]
+    return min(capped, key=lambda wh: abs(wh[0] * wh[1] - target))
+
+
+def _buckets(dataset: Mapping[str, Any], resolution: object) -> Buckets | None:
+    """The dataset's bucket settings, or None where a value is not what ai-toolkit takes."""
+    values = resolution if isinstance(resolution, list) else [resolution]
+    tolerance, scale = dataset.get("bucket_tolerance", 64), dataset.get("scale", 1.0)
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                             for v in values) \
+            or not isinstance(tolerance, int) or isinstance(tolerance, bool) or tolerance <= 0 \
+            or not isinstance(scale, int | float) or isinstance(scale, bool) or scale <= 0:
+        return None
+    return Buckets(tuple(values), tolerance, float(scale), dataset.get("square_crop") is True)
+
+
+def _incomplete(directory: str, buckets: Buckets) -> dict[str, tuple[str, ...]]:
+    """Image key -> the buckets ("WxH") it has no entry for, for images that have an entry of
+    some bucket (an image with none is plainly missing). Reads image and safetensors headers."""
+    from cachedoctor import images
+
+    out: dict[str, tuple[str, ...]] = {}
+    for folder, dirs, names in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS)
+        latent_dir = os.path.join(folder, LATENT_DIR)
+        present: dict[str, set[tuple[int, int]]] = {}
+        try:
+            latents = sorted(n for n in os.listdir(latent_dir) if n.endswith(".safetensors"))
+        except OSError:  # none, or unreadable: the file rules say so
+            continue
+        for name in latents:
+            info = read_path(os.path.join(latent_dir, name)).metadata
+            try:
+                crop = (int(info["crop_width"]), int(info["crop_height"]))
+            except (KeyError, ValueError):
+                continue
+            present.setdefault(str(info.get("filename")), set()).add(crop)
+        if not present:
+            continue
+        rel = os.path.relpath(folder, directory)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        for name in sorted(names):
+            if name.startswith(".") or not name.lower().endswith(IMAGE_EXTENSIONS) \
+                    or name not in present:
+                continue
+            try:
+                size = images.size(os.path.join(folder, name))
+            except (OSError, ValueError):
+                continue
+            missing = [c for c in buckets.crops(size) if c not in present[name]]
+            if missing:
+                out[prefix + name] = tuple(f"{w}x{h}" for w, h in missing)
+    return out
+
+
 # -- entries (fix --reencode) ------------------------------------------------------------------
 
 HASHED_NAME = re.compile(r"^(?P<stem>.+)_(?P<hash>[A-Za-z0-9_-]{22})\.safetensors$")
 STRINGS = frozenset({"filename", "latent_space_version"})  # info values that are strings
+GEOMETRY = ("scale_to_width", "scale_to_height", "crop_x", "crop_y", "crop_width", "crop_height")
 HEADER_ONLY = frozenset({"software", "format"})  # metadata.py adds these beside the info dict
 
 
@@ -257,8 +386,10 @@ class _Entries(Entries):
     it is taken from the entry being replaced (when its header still fits the image) or from a
     healthy entry of an image of the same size; the hash in the name follows from the info."""
 
-    def __init__(self, changes: Changes) -> None:
+    def __init__(self, changes: Changes, naming: AIToolkitNaming | None = None) -> None:
         super().__init__(changes)
+        self.buckets = naming.buckets if naming is not None else None
+        self.naming = naming
 
     def source(self, entry: str) -> str:
         parent = os.path.dirname(os.path.dirname(entry))
@@ -280,7 +411,9 @@ class _Entries(Entries):
         size = images.size(image)
         latent_dir = os.path.join(os.path.dirname(image), LATENT_DIR)
         template = _template(read_path(replacing)) if replacing is not None else None
-        if template is None or not _fits(template.info, size):
+        if self.buckets is not None and len(self.buckets.resolutions) > 1:
+            template = self._resolution(image, size, latent_dir, replacing, template)
+        elif template is None or not _fits(template.info, size):
             template = self._same_size(latent_dir).get(size)
         if template is None:
             raise NoSpec(f"no healthy entry of a {size[0]}x{size[1]} image beside it to take "
@@ -300,6 +433,40 @@ class _Entries(Entries):
         fmt = EntryFormat("safetensors", "latent", dtype, channels, scaled=True,
                           metadata={**template.metadata, "filename": name})
         return EntrySpec(image, path, fmt, geometry, geometry.latent_size(8))
+
+    def _resolution(self, image: str, size: tuple[int, int], latent_dir: str,
+                    replacing: str | None, template: _Template | None) -> _Template:
+        """A multi-resolution dataset: the template of the entry of one resolution, its scale
+        and crop as ai-toolkit computes them for that resolution. A replaced entry is the one
+        whose name's hash that resolution's info gives; a missing one, the first bucket the
+        image has no entry for. The other values come from a healthy entry of the folder."""
+        assert self.buckets is not None and self.naming is not None
+        base = template or next(iter(self._same_size(latent_dir).values()), None) \
+            or next(iter(self._any(latent_dir)), None)
+        if base is None:
+            raise NoSpec("no healthy entry beside it to take ai-toolkit's latent info from")
+        name = os.path.basename(image)
+        made = []
+        for resolution in self.buckets.resolutions:
+            values = dict(zip(GEOMETRY, self.buckets.geometry(size, resolution), strict=True))
+            info = {**base.info, **values, "filename": name}
+            made.append((f"{values['crop_width']}x{values['crop_height']}", info))
+        if replacing is not None:
+            match = HASHED_NAME.match(os.path.basename(replacing))
+            found = [info for _, info in made if match and latent_hash(info) == match["hash"]]
+            if not found:
+                raise NoSpec(f"no resolution of the dataset's {list(self.buckets.resolutions)} "
+                             "gives its name's hash: which one it was is not known")
+        else:
+            missing = self.naming.incomplete.get(self.naming.key(image), ())
+            found = [info for bucket, info in made if not missing or bucket in missing]
+        info = found[0]
+        metadata = {**base.metadata, **{k: str(info[k]) for k in (*GEOMETRY, "filename")}}
+        return _Template(info, metadata)
+
+    def _any(self, latent_dir: str) -> list[_Template]:
+        return self.once(("any", latent_dir), lambda: list(filter(None, (
+            _template(m) for m in healthy(latent_dir, ".safetensors", self.unlike)))))
 
     def _same_size(self, latent_dir: str) -> dict[tuple[int, int], _Template]:
         """Image size -> the info of a healthy entry of an image of that size."""

@@ -7,15 +7,17 @@ from its working dir, the OneTrainer folder, where the UI saves configs in
 `training_presets/`. So a config in `<root>/training_presets/` resolves against `<root>`, any
 other config against its own folder.
 
-Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample: `latent_image`,
-`original_resolution`, `crop_offset`, ...) and `aggregate.pt` beside them, written last: a list
-whose item i holds `image_path` and `crop_resolution` (h, w) of `<i>.pt`. The group hash covers
-the concept's whole image config with defaults filled in, so files are mapped to images through
-`aggregate.pt`, read with cachedoctor's restricted unpickler, never torch.load. Text embeddings
-go to `<cache_dir>/text/...` with an aggregate of empty dicts. mgds saves tensors from
-`train_device` without `.cpu()` and loads them with `map_location=train_device`, so a GPU
-location is what OneTrainer expects here (no CD501). With `clear_cache_before_training` (the
-default) and `latent_caching`, the master process deletes `image/` and `text/` at every start
+Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample, keys as the
+model's data loader names them: `latent_image` alone for SD 1.x/2.x, PixArt and Sana, with
+`original_resolution` and `crop_offset` for SDXL, SD3, Flux and most others) and `aggregate.pt`
+beside them, written last: a list whose item i holds `image_path` and `crop_resolution` (h, w)
+of `<i>.pt`. The group hash covers the concept's whole image config with defaults filled in, so
+files are mapped to images through `aggregate.pt`, read with cachedoctor's restricted unpickler,
+never torch.load. Text embeddings go to `<cache_dir>/text/...` with an aggregate of empty dicts.
+mgds saves tensors from `train_device` without `.cpu()` and loads them with
+`map_location=train_device`: whatever device a file was saved from, its tensors land on the
+train device (no CD501, no CD502). With `clear_cache_before_training` (the default) and
+`latent_caching`, the master process deletes `image/` and `text/` at every start
 (GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
 
 One dataset per config (named after the config file): OneTrainer's concepts share one cache.
@@ -24,14 +26,18 @@ One dataset per config (named after the config file): OneTrainer's concepts shar
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 
+from cachedoctor.findings import display_path
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.torch_object import ObjectError, read_object
 from cachedoctor.layouts.base import (
+    ANY_DEVICE,
     CacheFacts,
     Dataset,
     DirectoryNaming,
@@ -66,6 +72,7 @@ IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", "
 NOT_SAMPLES = ("-masklabel", "-condlabel")
 VAE_FACTOR = 8
 PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
+SESSION = "#.json"  # the UI's last-session state, saved in PRESETS at every change
 SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
 
 
@@ -77,12 +84,13 @@ def claims(config: ConfigFile) -> bool:
 
 
 def discover(folder: str) -> list[str]:
-    """Config JSONs at the top of the folder and the user's saved ones in training_presets/
-    (OneTrainer's own presets start with '#')."""
+    """Config JSONs at the top of the folder and the user's ones in training_presets/: those
+    saved by name and `#.json`, the UI's last session (the only config of many projects).
+    OneTrainer's shipped presets are the other `#<name>.json` files (TopBarController)."""
     found = [os.path.join(folder, n) for n in listdir(folder, ending(".json"))]
     presets = os.path.join(folder, PRESETS)
     found += [os.path.join(presets, n) for n in listdir(presets)
-              if n.endswith(".json") and not n.startswith("#")]
+              if n.endswith(".json") and (n == SESSION or not n.startswith("#"))]
     return found
 
 
@@ -113,6 +121,8 @@ def load(config: ConfigFile) -> Layout:
     if concepts_file:
         files.append(concepts_file.path)
     image_dirs, shallow, concept_origins = [], [], {}
+    concept_caches: dict[str, list[str]] = {}  # image dir -> its concepts' aggregate.pt files
+    pairs: list[tuple[str, str]] = []  # (image variation folder, text aggregate.pt) of a concept
     for index, concept in enumerate(concepts or []):
         where = concepts_file or config
         at = (index,) if concepts_file else ("concepts", index)
@@ -135,9 +145,14 @@ def load(config: ConfigFile) -> Layout:
                              ident)
         image_dirs.append(directory)
         concept_origins[directory] = origin
+        groups = _group_aggregates(cache_dir, concept)
+        concept_caches.setdefault(directory, []).extend(groups["image"] + groups["text"])
+        if len(groups["image"]) == len(groups["text"]) == 1:  # one variation each: paired by number
+            pairs.append((os.path.dirname(groups["image"][0]), groups["text"][0]))
         if not typed(where, problems, at, concept, "include_subdirectories", bool, False, ident):
             shallow.append(directory)
     aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
+    text_gone = _text_gone(aggregates, pairs)
     shared = _sharing(config.path, root, cache_dir) if clear and latent_caching else ()
     origins = {
         "latent_cache_dir": config.origin("cache_dir"),
@@ -158,7 +173,7 @@ def load(config: ConfigFile) -> Layout:
         text_cache_dir=os.path.join(cache_dir, "text"),
         vae_factor=VAE_FACTOR,
         processes=processes,
-        expected_device=train_device,
+        expected_device=ANY_DEVICE,  # mgds loads with map_location=train_device
         cache_rebuilt_at_start=clear and latent_caching,
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
@@ -166,7 +181,9 @@ def load(config: ConfigFile) -> Layout:
                         "cache_shared_with": shared,
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
-        naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching),
+        naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching,
+                                concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()}),
+                                text_gone=frozen(text_gone)),
     )
     return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
                   _reason(root))
@@ -214,6 +231,45 @@ def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
         if isinstance(value, str) and canonical(resolve(working_dir(other, PRESETS), value)) == mine:
             found.append(other)
     return tuple(found)
+
+
+def _text_gone(aggregates: Mapping[str, Samples], pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """Image -> its text-encoder sample, where the text folder's aggregate.pt lists that sample
+    and its file is gone (mgds' get_item would raise FileNotFoundError). Both caches number a
+    concept's samples alike (the same group indices), so text sample i is image sample i's."""
+    out = {}
+    for image_folder, text_aggregate in pairs:
+        samples, listed = aggregates.get(image_folder), _listed(text_aggregate)
+        if samples is None or listed is None:
+            continue
+        folder = os.path.dirname(text_aggregate)
+        for index, (image, _) in enumerate(samples[:listed]):
+            path = os.path.join(folder, f"{index}.pt")
+            if image is not None and not os.path.lexists(path):
+                out[image] = path
+    return out
+
+
+def _group_aggregates(cache_dir: str, concept: dict) -> dict[str, list[str]]:
+    """The aggregate.pt files of a concept's image and text cache folders that exist. mgds names
+    a group folder by the sha256 of the compact sorted JSON of the concept values OneTrainer
+    groups by (DiskCache.__string_key; DataLoaderText2ImageMixin: path, seed,
+    include_subdirectories, and image or text); the concept as saved gives it where it holds
+    every value (the UI saves them all)."""
+    import hashlib
+
+    found: dict[str, list[str]] = {"image": [], "text": []}
+    for area, part, count in (("image", "image", "image_variations"),
+                              ("text", "text", "text_variations")):
+        values = [concept.get(k) for k in ("path", "seed", "include_subdirectories", part)]
+        variations = concept.get(count, 1)
+        if any(v is None for v in values) or not isinstance(variations, int):
+            continue
+        text = json.dumps(values, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+        group = os.path.join(cache_dir, area, hashlib.sha256(text.encode("utf-8")).hexdigest())
+        found[area] += [a for n in range(max(variations, 1))
+                        if os.path.isfile(a := os.path.join(group, f"variation-{n}", AGGREGATE))]
+    return found
 
 
 # -- aggregate.pt --------------------------------------------------------------------------------
@@ -264,6 +320,8 @@ class OneTrainerNaming(Naming):
 
     aggregates: Mapping[str, Samples]  # variation dir -> (image, crop) by sample index
     expects_cache: bool = True
+    concept_caches: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
+    text_gone: Mapping[str, str] = field(default_factory=frozen)  # image -> missing text sample
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(self, changes)
@@ -271,11 +329,33 @@ class OneTrainerNaming(Naming):
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, area)
 
+    @cached_property
+    def listings(self) -> dict[str, str]:
+        """image -> the sample file an aggregate.pt lists for it (the first, by folder)."""
+        out: dict[str, str] = {}
+        for folder, samples in sorted(self.aggregates.items()):
+            for index, (image, _) in enumerate(samples):
+                if image is not None:
+                    out.setdefault(image, os.path.join(folder, f"{index}.pt"))
+        return out
+
     def expected_entry(self, image: str) -> str:
-        return "an entry in an aggregate.pt"
+        listed = self.listings.get(image)
+        return listed if listed is not None else "an entry in an aggregate.pt"
 
     def missing_text(self, image: str, cache_dir: str) -> str:
-        return f"no aggregate.pt under {cache_dir} lists it"
+        text = self.text_gone.get(image)
+        if text is not None:
+            folder, name = os.path.split(text)
+            return (f"its text-encoder sample {name} is missing from {display_path(folder)}, "
+                    "whose aggregate.pt lists it")
+        listed = self.listings.get(image)
+        if listed is not None:  # mgds get_item opens it: FileNotFoundError in training
+            folder, name = os.path.split(listed)
+            return (f"{display_path(os.path.join(folder, AGGREGATE))} lists it as sample "
+                    f"{name[:-3]}, but {name} is missing")
+        return (f"no aggregate.pt under {cache_dir} lists it (added after its concept was cached:"
+                " mgds does not cache it again while the folder's aggregate.pt exists)")
 
 
 class _Directory(DirectoryNaming):
@@ -292,7 +372,10 @@ class _Directory(DirectoryNaming):
         stem, ext = os.path.splitext(name)
         if ext.lower() not in IMAGE_EXTENSIONS or stem.endswith(NOT_SAMPLES):
             return None
-        return os.path.join(self.path, name), self.naming.expects_cache
+        key = os.path.join(self.path, name)
+        if key in self.naming.text_gone:  # its latent is there, its text sample is not: CD404
+            return f"{key}@text", self.naming.expects_cache
+        return key, self.naming.expects_cache
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_variation or not name.endswith(".pt"):
@@ -306,10 +389,52 @@ class _Directory(DirectoryNaming):
         if not 0 <= index < len(self.entries):
             return CacheFacts(key=f"unlisted:{self.path}/{index}", naming="unlisted")
         image, crop = self.entries[index]
+        if image in self.naming.text_gone:
+            image = None  # its image is reported for its missing text sample, this is no orphan
         if crop is None:
             return CacheFacts(key=image)
         h, w = crop
         return CacheFacts(key=image, bucket=f"{w}x{h}", expected=(h // VAE_FACTOR, w // VAE_FACTOR))
+
+
+# -- rebuilds (fix) ------------------------------------------------------------------------------
+
+AGGREGATE = "aggregate.pt"
+REBUILT = ("mgds caches this variation folder again at OneTrainer's next start, for its "
+           "samples the repair removes: no aggregate.pt means caching is not done")
+
+
+def rebuilds(removed: Iterable[str], replaced: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
+    """aggregate.pt -> the samples it lists that a repair removes and does not write again.
+
+    mgds (DiskCache.__is_caching_done) takes a variation folder as cached while its
+    aggregate.pt exists, and get_item then opens `<i>.pt` for every sample the aggregate lists:
+    one that is gone raises FileNotFoundError in training. Without aggregate.pt it caches the
+    folder again, every sample, with OneTrainer's own VAE or text encoders. So the aggregate
+    goes with its removed samples. Samples it does not list (CD405) are never opened: they need
+    no rebuild."""
+    gone = sorted(set(removed) - set(replaced))
+    removed_set = set(removed)
+    out: dict[str, list[str]] = {}
+    for path in gone:
+        folder, name = os.path.split(path)
+        aggregate = os.path.join(folder, AGGREGATE)
+        if (not name[:-3].isdigit() or not name.endswith(".pt") or aggregate in removed_set
+                or not VARIATION.match(os.path.basename(folder)) or not os.path.isfile(aggregate)):
+            continue
+        listed = _listed(aggregate)
+        if listed is None or int(name[:-3]) < listed:
+            out.setdefault(aggregate, []).append(path)
+    return {a: tuple(p) for a, p in out.items()}
+
+
+def _listed(aggregate: str) -> int | None:
+    """How many samples an aggregate.pt lists; None when it cannot be read (rebuild anyway)."""
+    try:
+        obj = read_object(aggregate)
+    except (ObjectError, OSError):
+        return None
+    return len(obj) if isinstance(obj, list) else None
 
 
 # -- entries (fix --reencode) ------------------------------------------------------------------
@@ -324,8 +449,9 @@ NEW_SAMPLE = ("OneTrainer pairs its image and text cache entries by sample numbe
 
 class _Entries(Entries):
     """OneTrainer's image cache samples (mgds DiskCache): `<i>.pt` in a variation folder, a dict
-    of `latent_image` (the VAE's mean, unscaled, in vae_train_dtype, saved from train_device),
-    `original_resolution` (h, w) and `crop_offset` (y, x). The image is scaled to cover the
+    of `latent_image` (the VAE's mean, unscaled, in vae_train_dtype, saved from train_device)
+    and, where its neighbours hold them (the SDXL-style loaders), `original_resolution` (h, w)
+    and `crop_offset` (y, x). The image is scaled to cover the
     sample's `crop_resolution` in aggregate.pt and cropped in the centre (mgds AspectBucketing,
     ScaleCropImage; with crop jitter OneTrainer draws the offset, the centre being one it can
     draw). A sample keeps its number, so aggregate.pt stays as it is; it is saved on the device
@@ -351,11 +477,29 @@ class _Entries(Entries):
     def source(self, entry: str) -> str:
         return self._sample(entry)[0]
 
+    def _new_sample(self, image: str) -> str:
+        """NEW_SAMPLE, naming the aggregate.pt files to move away where the concept's folders
+        are known: without them mgds caches those folders again, this image included."""
+        folders = [a for d, found in self.naming.concept_caches.items()
+                   if os.path.dirname(image) == d or image.startswith(d.rstrip(os.sep) + os.sep)
+                   for a in found]
+        if not folders:
+            return NEW_SAMPLE
+        return (f"{NEW_SAMPLE.split(': let')[0]}: move {' and '.join(dict.fromkeys(folders))} "
+                "out of the cache, and OneTrainer caches this concept again at its next start")
+
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
         from cachedoctor import images
 
+        text = self.naming.text_gone.get(image)
+        if text is not None and replacing is None:
+            raise NoSpec(f"its text-encoder sample is what is missing, which cachedoctor cannot "
+                         f"make: move {os.path.join(os.path.dirname(text), AGGREGATE)} out of the"
+                         " cache, and OneTrainer caches that folder again at its next start")
         if replacing is None:
-            raise NoSpec(NEW_SAMPLE)
+            replacing = self.naming.listings.get(image)  # listed, its file gone: same number
+            if replacing is None:
+                raise NoSpec(self._new_sample(image))
         crop = self._sample(replacing)[1]
         if crop is None:
             raise NoSpec("aggregate.pt gives no crop_resolution for it")

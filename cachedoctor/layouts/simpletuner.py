@@ -45,6 +45,7 @@ from typing import Any
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import (
+    ANY_DEVICE,
     CacheFacts,
     Dataset,
     DirectoryNaming,
@@ -295,7 +296,7 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
                   else Origin(backend.path, "cache_dir_text", None))
         datasets.append(Dataset(
             entry.id, cache_dirs=(directory,), text_cache_dir=directory,
-            model_family=g.model_family, processes=g.processes,
+            model_family=g.model_family, processes=g.processes, expected_device=ANY_DEVICE,
             options=frozen({"suggest:text_cache_dir":
                             '"cache_dir": "{output_dir}/cache/text/{model_family}"'}),
             origins=frozen({"text_cache_dir": origin}),
@@ -458,6 +459,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         text_cache_dir=text_dir, vae_factor=VAE_FACTOR, model_family=g.model_family,
         processes=g.processes, options=frozen(options), origins=frozen(origins), naming=naming,
         listed_images=buckets.listed or frozenset(), listing=buckets.origin,
+        expected_device=ANY_DEVICE,  # its data backends torch.load with map_location="cpu"
     )
 
 

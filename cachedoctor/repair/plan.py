@@ -26,6 +26,7 @@ from cachedoctor.checks import missing_cache_entries
 from cachedoctor.findings import Finding, Report
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
+from cachedoctor.layouts.onetrainer import REBUILT, rebuilds
 from cachedoctor.reclaim import COMPACT, QUARANTINE, TO_CPU
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.confined import FileId
@@ -60,6 +61,7 @@ class Action:
     freed: int = 0  # bytes the cache shrinks by once purged (reclaim.freed; compact: an estimate)
     target: ReencodeTarget | None = None  # reencode: what to write
     planned: FileId | None = None  # the file as planned: the run skips it if it changed since
+    why: str = ""  # an action no finding names: why the plan takes it
 
     @property
     def relpath(self) -> str:
@@ -178,6 +180,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
     actions = [_action(path, findings, root_of(path, roots) or "") for path, findings in files.items()]
     if reencode is not None:
         actions += _Reencodes(reencode, roots, actions, notes).actions(files, missing)
+    actions += _rebuilds(actions, roots)
     actions.sort(key=lambda a: (KINDS.index(a.kind), a.path))
     return Plan(tuple(actions), tuple(notes), reencode.encoder if reencode else None, tuple(left_out))
 
@@ -278,6 +281,22 @@ class _Reencodes:
             else:
                 out[job.path] = Action(REENCODE, job.path, root, job.codes, target=job)
         return list(out.values())
+
+
+def _rebuilds(actions: list[Action], roots: tuple[str, ...]) -> list[Action]:
+    """The OneTrainer aggregate.pt files that go with the samples the plan removes, so that
+    OneTrainer caches those folders again (layouts/onetrainer.rebuilds)."""
+    codes = {a.path: a.codes for a in actions}
+    out = []
+    gone = rebuilds([a.path for a in actions if a.kind == QUARANTINE],
+                    [a.path for a in actions if a.kind == REENCODE])
+    for aggregate, samples in gone.items():
+        root = root_of(aggregate, roots)
+        if root is not None and _why_not(aggregate, roots) is None:
+            st = os.lstat(aggregate)
+            out.append(Action(QUARANTINE, aggregate, root, tuple(sorted({c for p in samples for c in codes[p]})),
+                              st.st_size, st.st_size, why=REBUILT, planned=FileId.of(st)))
+    return out
 
 
 def _reason(exc: Exception) -> str:

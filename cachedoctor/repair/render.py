@@ -60,6 +60,8 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
             if action.target is not None:
                 line += f"  <- {display_path(action.target.image)} ({action.target.format.container}, " \
                         f"{action.target.format.dtype} {action.target.shape})"
+            if action.why:
+                line += f"  ({action.why})"
             out.write(line + "\n")
         if len(actions) > LISTED and not verbose:
             out.write(f"      (+{len(actions) - LISTED} more; --verbose lists all)\n")

@@ -30,10 +30,28 @@ def test_onetrainer_layout(tmp_path: Path) -> None:
     assert dataset.id == "my_lora"
     assert dataset.image_dirs == (str(root / "datasets" / "person"),)
     assert dataset.latent_cache_dir == str(root / "workspace-cache" / "run" / "image")
-    assert dataset.expected_device == "cuda" and not dataset.cache_rebuilt_at_start
+    assert dataset.options["train_device"] == "cuda" and not dataset.cache_rebuilt_at_start
+    assert dataset.expected_device == "any"  # mgds loads with map_location=train_device
     (entries,) = dataset.naming.aggregates.values()
     assert entries[0] == (str(root / "datasets" / "person" / "img_000.png"), (128, 128))
     assert str(root / "training_concepts" / "concepts.json") in layout.files
+
+
+def test_onetrainer_session_config_is_discovered_and_shipped_presets_are_not(tmp_path: Path) -> None:
+    """The UI keeps its last session in training_presets/#.json (TopBarController): a project
+    whose only config it is, is that OneTrainer project, not a bare dir of the checkout's files.
+    Other `#<name>.json` files are OneTrainer's shipped presets and are not read."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    session = project.root / "training_presets" / "#.json"
+    project.config.rename(session)
+    preset = json.loads(session.read_text()) | {"cache_dir": "elsewhere"}
+    (project.root / "training_presets" / "#sdxl 1.0 LoRA.json").write_text(json.dumps(preset))
+    (layout,) = resolve([str(project.root)])
+    assert (layout.trainer, layout.source) == ("onetrainer", str(session))
+    report = scan_paths(project.root)
+    assert report.trainers == ("onetrainer",) and "CD107" not in codes(report)
+    (missing,) = by_code(report, "CD404")
+    assert missing.path == str(project.expected["CD404"][0][0])
 
 
 def test_onetrainer_inline_concepts(tmp_path: Path) -> None:
@@ -72,14 +90,29 @@ def test_onetrainer_bare_cache_gets_crop_buckets(tmp_path: Path) -> None:
 
 
 def test_onetrainer_bare_cache_on_its_train_device_is_clean(tmp_path: Path) -> None:
-    """mgds saves from and loads to the train_device: cuda:0 files are no CD501, config or not;
-    a cache mixing devices is still CD502."""
+    """mgds saves from the train_device and loads with map_location=train_device: cuda:0
+    files are no CD501, and a cache with one sample saved from the CPU is no CD502 either
+    (every tensor lands on the train device), config or not."""
     project = onetrainer.build(tmp_path / "ot")
     report = scan_paths(project.root / "workspace-cache" / "run")
     assert report.trainers == ("bare",) and report.findings == ()
-    mixed = onetrainer.build(tmp_path / "mixed", defects=["CD502"])
-    found = codes(scan_paths(mixed.root / "workspace-cache" / "run"))
-    assert "CD502" in found and "CD501" not in found
+    mixed = onetrainer.build(tmp_path / "mixed", cpu_sample=True)
+    for target in (mixed.root / "workspace-cache" / "run", mixed.config):
+        assert not {"CD501", "CD502"} & codes(scan_paths(target)), target
+
+
+def test_device_tags_are_judged_by_the_loader_the_layout_implies(tmp_path: Path) -> None:
+    """SimpleTuner loads its caches with map_location="cpu": a latent saved from cuda:0 among
+    CPU ones is harmless there. The same folder scanned bare (loader unknown) is a CD501
+    warning, and CD502 across the cache, as a plain torch.load would mix them."""
+    project = simpletuner.build(tmp_path / "st", cuda_latent=True)
+    assert not {"CD501", "CD502"} & codes(scan_paths(project.config))
+    cache = project.root / "output" / "models" / "cache" / "vae" / "sdxl" / "photos"
+    bare = scan_paths(cache)
+    assert bare.trainers == ("bare",)
+    (tagged,) = by_code(bare, "CD501")
+    assert tagged.severity == 2 and "cuda:0" in tagged.message  # a warning
+    assert by_code(bare, "CD502")
 
 
 # -- kohya --------------------------------------------------------------------------------------

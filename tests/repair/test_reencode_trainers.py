@@ -23,6 +23,7 @@ from repair_helpers import isolated_state, tree_digest  # noqa: F401
 
 from cachedoctor.fixtures.clean import aitoolkit_metadata
 from cachedoctor.fixtures.projects import BUCKETS, Project, aitoolkit, encode, kohya, onetrainer, simpletuner
+from cachedoctor.formats import read_path
 from cachedoctor.layouts import resolve
 from cachedoctor.layouts.entries import Changes, Geometry
 from cachedoctor.repair.reencode import pixels
@@ -315,11 +316,20 @@ def test_the_format_is_the_cache_s_even_when_most_entries_are_taken_away(tmp_pat
     assert "float32 (1 file)" in mixed.message, mixed.message  # the one it was before, no more
 
 
-def test_a_onetrainer_sample_goes_on_the_cpu_when_the_fix_moves_its_neighbours_there(tmp_path: Path) -> None:
-    project = onetrainer.build(tmp_path, {"CD302", "CD502"})  # one sample cached from the CPU
+def test_a_onetrainer_sample_goes_on_the_device_most_of_its_neighbours_were_saved_from(
+        tmp_path: Path) -> None:
+    """One sample cached from the CPU among cuda:0 ones is no defect (mgds loads with
+    map_location=train_device), so nothing moves to the CPU and the new samples are saved as
+    most were."""
+    project = onetrainer.build(tmp_path, {"CD302"}, cpu_sample=True)
 
     result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
 
     assert result.exit_code == 0, result.output
-    assert "to-cpu" in result.output and "reencode 3/3" in result.output
-    assert not codes(scan_paths(project.config))  # no new CD502: every sample on the CPU
+    assert "to-cpu" not in result.output and "reencode 3/3" in result.output
+    assert not codes(scan_paths(project.config))
+    variation = next((project.root / "workspace-cache" / "run" / "image").glob("*/variation-0"))
+    written = [read_path(str(p)) for p in sorted(variation.glob("[0-9]*.pt"))]
+    assert sum(m.locations == ("cuda:0",) for m in written) == len(written) - 1
+
+

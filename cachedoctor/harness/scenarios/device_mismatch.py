@@ -44,7 +44,7 @@ SIGNATURES = ("Attempting to deserialize object on", "Expected all tensors to be
 
 
 def prepare(root: Path, ranks: int, mode: str) -> Project:
-    return write_project(root, ranks)
+    return write_project(root, ranks, plain_loader=True)
 
 
 def run_rank(ctx: RankContext) -> None:

@@ -1,0 +1,187 @@
+"""OneTrainer after `fix`: the cache as mgds (Nerogar/mgds 3a6994ad, DiskCache.py) would load it.
+
+mgds is not on PyPI, so `mgds_start` re-implements the two decisions that matter, line for line
+in effect: `__is_caching_done` (the variation folder holds something and its aggregate.pt is a
+file) and, for a folder taken as cached, `get_item`'s lookup of `<i>.pt` for each sample the
+aggregate lists (torch.load with map_location=<train device>). A folder not taken as cached is
+one mgds caches again from the images.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from cachedoctor.fixtures.projects import onetrainer
+
+from conftest import by_code, codes, invoke, scan_paths
+
+
+def mgds_start(cache: Path) -> list[Path]:
+    """The variation folders mgds would cache again; raises FileNotFoundError where training
+    would (a listed sample whose file is gone)."""
+    recached = []
+    for folder in sorted(cache.glob("*/*/variation-*")):
+        aggregate = folder / "aggregate.pt"
+        done = any(os.scandir(folder)) and aggregate.is_file()
+        if not done:
+            recached.append(folder)
+            continue
+        listed = torch.load(aggregate, weights_only=True, map_location="cpu")
+        for index in range(len(listed)):
+            torch.load(folder / f"{index}.pt", weights_only=True, map_location="cpu")
+    return recached
+
+
+def cut(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])  # a writer killed mid-archive: CD101
+
+
+def test_a_removed_text_sample_makes_mgds_cache_its_folder_again(tmp_path: Path) -> None:
+    """A broken text-encoder sample is quarantined; no encoder here can write it again, so its
+    aggregate.pt goes too, and mgds caches that folder again instead of raising
+    FileNotFoundError in training. Undo puts both back."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [text] = (cache / "text").glob("*/variation-0")
+    [image] = (cache / "image").glob("*/variation-0")
+    cut(text / "1.pt")
+    assert "CD101" in codes(scan_paths(project.config))
+
+    result = invoke("fix", str(project.config), "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "mgds caches this variation folder again" in result.output
+    assert not (text / "1.pt").exists() and not (text / "aggregate.pt").exists()
+    assert (image / "aggregate.pt").exists()  # untouched: nothing of it was removed
+    assert mgds_start(cache) == [text]
+    assert not {f.code for f in scan_paths(project.config).findings if f.severity >= 2}
+
+    assert invoke("undo").exit_code == 0
+    assert (text / "aggregate.pt").exists() and (text / "1.pt").exists()
+
+
+def test_the_aggregate_stays_where_the_fix_encodes_the_sample_again(tmp_path: Path) -> None:
+    """--reencode writes the stale image sample again, as mgds would: its folder needs no
+    rebuild. Without --reencode the folder is cached again by OneTrainer."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD406"])
+    cache = project.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert (image / "3.pt").exists() and (image / "aggregate.pt").exists()
+    assert mgds_start(cache) == []
+
+    again = onetrainer.build(tmp_path / "again", defects=["CD406"])
+    cache = again.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+    result = invoke("fix", str(again.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert not (image / "aggregate.pt").exists()
+    assert mgds_start(cache) == [image]
+
+
+def test_an_unlisted_sample_goes_alone(tmp_path: Path) -> None:
+    """A sample beyond what aggregate.pt lists (CD405) is never opened by mgds: quarantining
+    it needs no rebuild."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD405"])
+    cache = project.root / "workspace-cache" / "run"
+
+    result = invoke("fix", str(project.config), "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "mgds caches" not in result.output
+    assert mgds_start(cache) == []
+
+
+def test_a_listed_sample_whose_file_is_gone_is_cd404_and_is_encoded_again(tmp_path: Path) -> None:
+    """aggregate.pt still lists the sample; its file is what is missing (mgds' get_item would
+    raise FileNotFoundError). The message says so, and --reencode writes it under its number."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+    (image / "2.pt").unlink()
+    (missing,) = [f for f in scan_paths(project.config).findings if f.code == "CD404"]
+    listed = torch.load(image / "aggregate.pt", weights_only=True)[2]["image_path"]
+    assert missing.path == str(project.root / listed)
+    assert "lists it as sample 2, but 2.pt is missing" in missing.message, missing.message
+    assert missing.details["expected_entry"] == str(image / "2.pt")
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert (image / "2.pt").exists() and mgds_start(cache) == []
+    assert not codes(scan_paths(project.config))
+
+
+def test_an_image_no_aggregate_lists_is_cd404_saying_so(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    (missing,) = [f for f in scan_paths(project.config).findings if f.code == "CD404"]
+    assert "no aggregate.pt under" in missing.message and "lists it (added after" in missing.message
+
+
+def test_an_sd15_style_sample_is_written_with_the_latent_alone(tmp_path: Path) -> None:
+    """OneTrainer's SD 1.x/2.x, PixArt and Sana loaders cache {'latent_image'} only
+    (image_split_names in modules/dataLoader/*BaseDataLoader.py): the new sample holds the
+    keys its neighbours hold, nothing more."""
+    project = onetrainer.build(tmp_path / "ot")
+    [image] = (project.root / "workspace-cache" / "run" / "image").glob("*/variation-0")
+    for sample in image.glob("[0-9]*.pt"):
+        value = torch.load(sample, weights_only=True, map_location="cpu")
+        torch.save({"latent_image": value["latent_image"]}, sample)
+    (image / "2.pt").unlink()
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    written = torch.load(image / "2.pt", weights_only=True, map_location="cpu")
+    assert sorted(written) == ["latent_image"]
+    assert mgds_start(project.root / "workspace-cache" / "run") == []
+
+
+def test_a_new_image_s_plan_note_names_the_aggregates_to_move_away(tmp_path: Path) -> None:
+    """An image no aggregate.pt lists needs a new sample in the image and the text cache: the
+    plan says which two aggregate.pt files to move away (mgds' group folders of its concept),
+    and doing so makes mgds cache both folders again."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    cache = project.root / "workspace-cache" / "run"
+    aggregates = sorted(cache.glob("*/*/variation-0/aggregate.pt"))
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for aggregate in aggregates:
+        assert aggregate.name in text and aggregate.parent.parent.name[:12] in text, text
+    for aggregate in aggregates:
+        aggregate.rename(tmp_path / f"{aggregate.parent.parent.parent.name}.pt")
+    assert mgds_start(cache) == [a.parent for a in aggregates]
+
+
+def test_a_missing_text_sample_is_cd404_on_its_image(tmp_path: Path) -> None:
+    """Text sample 1 deleted while text/.../aggregate.pt lists it: mgds' get_item would raise
+    FileNotFoundError. The scan says so on image sample 1's image (both caches number a
+    concept's samples alike); its latent is no orphan; the plan names the aggregate to move."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [text] = (cache / "text").glob("*/variation-0")
+    [image] = (cache / "image").glob("*/variation-0")
+    (text / "1.pt").unlink()
+    report = scan_paths(project.config)
+    (missing,) = by_code(report, "CD404")
+    listed = torch.load(image / "aggregate.pt", weights_only=True)[1]["image_path"]
+    assert missing.path == str(project.root / listed)
+    assert "text-encoder sample 1.pt is missing" in missing.message, missing.message
+    assert "CD405" not in codes(report)
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert "aggregate.pt out of the cache" in " ".join(result.output.split())
+    (text / "aggregate.pt").rename(tmp_path / "aggregate.pt")
+    assert mgds_start(cache) == [text]
