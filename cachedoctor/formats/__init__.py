@@ -150,9 +150,10 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True)
         return _read_zip(src, path, deep)  # torch.load and np.load read a zip as nothing else
     meta = _read_as_sniffed(src, path, deep, fmt, head)
     ext, promised = os.path.splitext(path)[1].lower(), extension_format(path)
-    if fmt in (EMPTY, PICKLE) or promised is None:
-        return meta  # a pickle is already read as one; a foreign name meets no loader
-    if ext in TORCH_EXTENSIONS or (fmt != NPY if ext in NUMPY_EXTENSIONS else fmt != promised):
+    if fmt == EMPTY or promised is None:
+        return meta  # a foreign name meets no loader
+    if fmt != PICKLE and (ext in TORCH_EXTENSIONS or (
+            fmt != NPY if ext in NUMPY_EXTENSIONS else fmt != promised)):
         # the loader unpickles these bytes whatever they look like (an image header, a
         # safetensors length, text): a protocol-0 pickle needs no magic
         meta = _with_pickle(meta, torch_legacy.read(src, path, deep))
