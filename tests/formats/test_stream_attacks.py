@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import pickle
 import pickletools
 import subprocess
@@ -259,3 +260,16 @@ def test_healthy_gzip_cache_stays_clean(tmp_path):
         (cache / f"{i}.pt").write_bytes(gzip.compress(saved.getvalue()))
     report = scan_paths(cache, deep=True)
     assert not [f for f in report.findings if f.severity.name == "ERROR"], report.findings
+
+
+@pytest.mark.parametrize("tensor", [
+    {"dtype": "F32", "shape": [2**64 - 1] * 3000, "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": [1], "data_offsets": [0, int("9" * 400)]},
+], ids=["huge-shape", "400-digit-offset"])
+def test_safetensors_numbers_past_u64_are_bounded_cd101(tmp_path, tensor):
+    header = json.dumps({"t" * 5000: tensor}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    report = scan_paths(path)
+    [finding] = by_code(report, "CD101")
+    assert len(finding.message) < 500
