@@ -273,3 +273,19 @@ def test_safetensors_numbers_past_u64_are_bounded_cd101(tmp_path, tensor):
     report = scan_paths(path)
     [finding] = by_code(report, "CD101")
     assert len(finding.message) < 500
+
+
+def test_tar_without_torch_members_is_cd101(tmp_path):
+    # torch.load opens it with tarfile and fails (KeyError: storages): no pickle fallback
+    path = tmp_path / "cache" / "a.pt"
+    path.parent.mkdir()
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("caption.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"hello"))
+    if LEGACY_TORCH:
+        result = subprocess.run([sys.executable, "-c", torch_load(path)], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode != 0
+    [finding] = by_code(scan_paths(path.parent), "CD101")
+    assert "no 'storages' member" in finding.message
