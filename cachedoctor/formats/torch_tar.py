@@ -15,8 +15,6 @@ MAX_MEMBER_BYTES of a member read), never to load tensors.
 
 from __future__ import annotations
 
-import io
-
 from cachedoctor.formats.meta import TORCH_LEGACY, FileMeta, number_text
 from cachedoctor.formats.source import Source
 from cachedoctor.formats.unpickler import MAX_PICKLE_BYTES, StorageType, UnpickleError, load_restricted
@@ -47,17 +45,12 @@ def looks_like_tar(head: bytes) -> bool:
     return stored in (unsigned, signed)
 
 
-class _SourceFile(io.RawIOBase):
-    """A Source as the read-only file tarfile wants."""
+class _SourceFile:
+    """A Source as the read-only file tarfile wants; a read past the member budget (a pax
+    header that claims gigabytes) is refused rather than allocated."""
 
     def __init__(self, src: Source) -> None:
         self.src, self.pos = src, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self.pos = offset if whence == 0 else (self.pos + offset if whence == 1 else
@@ -67,11 +60,14 @@ class _SourceFile(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def readinto(self, buffer) -> int:  # type: ignore[override]
-        data = self.src.pread(self.pos, len(buffer))
-        buffer[: len(data)] = data
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            n = self.src.size - self.pos
+        if n > MAX_MEMBER_BYTES:
+            raise ValueError(f"a tar header asks to read {number_text(n)} bytes")
+        data = self.src.pread(self.pos, n)
         self.pos += len(data)
-        return len(data)
+        return data
 
 
 def read(src: Source, path: str) -> FileMeta | None:
