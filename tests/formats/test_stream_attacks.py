@@ -64,7 +64,7 @@ def assert_hostile_and_never_run(cache: Path, bad: Path, marker: Path) -> None:
     errors = {f.code for f in report.findings if f.path == str(bad)}
     assert "CD105" in errors, report.findings
     assert "CD107" not in errors  # an image-looking pickle is no foreign file
-    result = run_cli("fix", "--yes", str(cache))
+    result = run_cli("fix", "--yes", str(cache), timeout=600)  # a loaded CI box is slow
     assert "Traceback" not in result.stderr
     assert not marker.exists()
     assert not bad.exists()  # quarantined, never loaded
@@ -202,7 +202,7 @@ def test_npy_shape_past_int64_is_a_bounded_cd101(tmp_path, digits):
     [finding] = [f for f in by_code(report, "CD101") if f.path == str(big)]
     assert f"{digits:,}-digit" in finding.message and len(finding.message) < 200
     assert [f.path for f in by_code(report, "CD105")] == [str(evil)]  # the other file is judged
-    result = run_cli("fix", "--yes", str(cache))
+    result = run_cli("fix", "--yes", str(cache), timeout=600)  # a loaded CI box is slow
     assert "Traceback" not in result.stderr and not evil.exists() and not marker.exists()
 
 
