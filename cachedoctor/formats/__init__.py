@@ -20,6 +20,7 @@ from cachedoctor.formats import (
     numpy_npz,
     safetensors_header,
     torch_legacy,
+    torch_tar,
     torch_zip,
     zip_members,
     zip_templates,
@@ -66,6 +67,13 @@ EXTENSION_FORMATS = {
 IMAGE_MAGIC = (
     b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*",
 )
+
+
+# Extensions whose loader unpickles what is no zip: torch.load (a tar first, then a pickle
+# stream), pickle.load, and np.load(allow_pickle=True) for what is neither npy nor zip.
+TORCH_EXTENSIONS = frozenset({".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle"})
+NUMPY_EXTENSIONS = frozenset({".npy", ".npz"})
+NOT_A_CACHE = frozenset({IMAGE, TEXT, JSON, UNKNOWN, ZEROED})
 
 
 def extension_format(path: str) -> str | None:
@@ -130,7 +138,9 @@ def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False) -> Fil
     return read_source(BytesSource(data), path, deep=deep)
 
 
-def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
+def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True) -> FileMeta:
+    """Every reading a loader could take of `src`, the worst of them reported. `top` is False
+    for the bytes inside a gzip stream (SimpleTuner hands torch.load a BytesIO: no tar try)."""
     at, head = src.windows[0]  # what the source holds from byte 0: no copy
     if at != 0 or (len(head) < min(src.size, SNIFF_BYTES) and not head.startswith(b"PK")):
         head = src.pread(0, SNIFF_BYTES)  # (spans of a zip layout, but no zip)
@@ -138,7 +148,24 @@ def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
     if fmt == GZIP:
         return _read_gzip(src, path, deep)
     if fmt == ZIP:
-        return _read_zip(src, path, deep)
+        return _read_zip(src, path, deep)  # torch.load and np.load read a zip as nothing else
+    meta = _read_as_sniffed(src, path, deep, fmt, head)
+    ext, promised = os.path.splitext(path)[1].lower(), extension_format(path)
+    if fmt == EMPTY or promised is None:
+        return meta  # a foreign name meets no loader
+    if fmt != PICKLE and (ext in TORCH_EXTENSIONS or (
+            fmt != NPY if ext in NUMPY_EXTENSIONS else fmt != promised)):
+        # the loader unpickles these bytes whatever they look like (an image header, a
+        # safetensors length, text): a protocol-0 pickle needs no magic
+        meta = _with_pickle(meta, torch_legacy.read(src, path, deep))
+    if top and ext in TORCH_EXTENSIONS and torch_tar.looks_like_tar(head):
+        tar = torch_tar.read(src, path)
+        if tar is not None:  # torch.load reads the tar; pickle.load would read the stream
+            meta = _merged(tar, meta) if meta.globals else tar
+    return meta
+
+
+def _read_as_sniffed(src: Source, path: str, deep: bool, fmt: str, head: bytes) -> FileMeta:
     if fmt in READERS:
         return READERS[fmt].read(src, path, deep)
     if fmt in (EMPTY, IMAGE):
@@ -150,12 +177,28 @@ def read_source(src: Source, path: str, *, deep: bool = False) -> FileMeta:
         why = f"every one of its {src.size:,} bytes is zero: the data never reached the disk"
     else:
         why = f"no {promised} signature: it starts with {head[:8].hex(' ')}"
-    if promised in (PICKLE, TORCH_ZIP) and fmt not in (ZEROED,):
-        # A protocol-0/1 pickle has no magic bytes, and torch.load would still run it.
-        meta = torch_legacy.read(src, path, deep)
-        if meta.globals:
-            return meta
     return FileMeta(path, src.size, promised, errors=(why,))
+
+
+def _with_pickle(meta: FileMeta, pickled: FileMeta) -> FileMeta:
+    """`meta`, judged also by what its bytes name when unpickled: a hostile reading is CD105
+    however the file looks (an image, garbage, a valid safetensors header)."""
+    if not pickled.globals:
+        return meta  # no pickle, or one that imports nothing: the file is what it looks like
+    if meta.format in NOT_A_CACHE or meta.errors:
+        return pickled  # the pickle is all there is to the file
+    return _merged(meta, pickled)
+
+
+def _merged(meta: FileMeta, other: FileMeta) -> FileMeta:
+    """`meta` with the globals another reading of the same bytes names."""
+    note = f"it also reads as a {other.format} stream naming {len(other.globals):,} globals"
+    return dataclasses.replace(
+        meta,
+        globals=tuple(dict.fromkeys(meta.globals + other.globals)),
+        unsafe_globals=tuple(dict.fromkeys(meta.unsafe_globals + other.unsafe_globals)),
+        notes=(*meta.notes, note),
+    )
 
 
 def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
@@ -198,11 +241,12 @@ def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
 
 
 def _read_gzip(src: Source, path: str, deep: bool) -> FileMeta:
-    with gzipped.inflated(src) as (inner, error):
+    limit = gzipped.DEEP_MAX_INFLATED if deep else gzipped.MAX_INFLATED
+    with gzipped.inflated(src, limit) as (inner, error):
         if inner is None:
             promised = extension_format(path) or TORCH_ZIP
             return FileMeta(path, src.size, promised, compression=GZIP, errors=(error,))
-        meta = read_source(inner, path, deep=deep)
+        meta = read_source(inner, path, deep=deep, top=False)
     return dataclasses.replace(meta, size=src.size, compression=GZIP)
 
 

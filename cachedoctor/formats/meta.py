@@ -31,6 +31,21 @@ TENSOR_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, SAFETENSORS, NPZ, NPY})
 PICKLE_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, PICKLE})
 
 
+INT64_MAX = 2**63 - 1  # what torch's and numpy's sizes, strides and offsets hold at most
+
+
+def number_text(n: int) -> str:
+    """`n` with thousands separators, or "a 400-digit number" when it is too long to print:
+    a hostile header's numbers must not make a message of thousands of characters (and Python
+    refuses to print an int of more than 4,300 digits)."""
+    if -(10**24) < n < 10**24:
+        return f"{n:,}"
+    digits = int(abs(n).bit_length() * 0.30102999566398120) + 1  # log10(2): exact or one over
+    if abs(n) < 10 ** (digits - 1):
+        digits -= 1
+    return f"a {digits:,}-digit {'negative ' if n < 0 else ''}number"
+
+
 def contiguous_stride(shape: tuple[int, ...], column_major: bool = False) -> tuple[int, ...]:
     """Strides (in elements) of a dense tensor, as torch and numpy lay it out (0-size dims
     count as 1); column-major for numpy's fortran_order."""

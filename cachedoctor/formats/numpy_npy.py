@@ -17,7 +17,14 @@ import warnings
 from dataclasses import dataclass
 from math import prod
 
-from cachedoctor.formats.meta import NPY, FileMeta, TensorMeta, contiguous_stride
+from cachedoctor.formats.meta import (
+    INT64_MAX,
+    NPY,
+    FileMeta,
+    TensorMeta,
+    contiguous_stride,
+    number_text,
+)
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_nonfinite_at
 from cachedoctor.formats.source import Source
 from cachedoctor.formats.unpickler import MAX_PICKLE_BYTES, UnpickleError, load_restricted
@@ -140,14 +147,35 @@ def _parse(raw: bytes) -> NpyHeader:
     m = _NUMPY_FORM.match(text)
     if m is not None:
         descr, fortran = m[1], m[2] == "True"
-        shape = tuple(map(int, (m[3] or "").replace(",", " ").split()))
+        digits = (m[3] or "").replace(",", " ").split()
+        for n in digits:
+            if len(n) > 19:  # past int64 for sure; int() refuses past 4,300 digits anyway
+                raise NpyError(f"shape holds a {len(n):,}-digit number: np.load cannot size "
+                               "that array (OverflowError: Python int too large to convert)")
+        shape = tuple(map(int, digits))
         return _header(descr, _typestr(descr), shape, fortran, end)
     return _parse_literal(text, raw[6], end)
 
 
 def _header(descr: str, dtype: Dtype, shape: tuple[int, ...], fortran: bool, end: int
             ) -> NpyHeader:
+    # np.load sizes the array as an int64 product: a number past that is no loadable array
+    numel = 1
+    for n in shape:
+        if n > INT64_MAX:
+            raise NpyError(f"shape holds {number_text(n)}, more than int64 holds: np.load "
+                           "cannot size that array (OverflowError)")
+        numel *= n
+    if numel * dtype.itemsize > INT64_MAX:
+        raise NpyError(f"shape {_shape_text(shape)} of {descr[:40]} needs "
+                       f"{number_text(numel * dtype.itemsize)} bytes, more than int64 holds: "
+                       "np.load cannot size that array (ValueError: array is too big)")
     return NpyHeader(descr, dtype, shape, fortran, end, contiguous_stride(shape, fortran))
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    text = ", ".join(number_text(n) for n in shape[:8])
+    return f"({text}{', …' if len(shape) > 8 else ''})"
 
 
 def _parse_literal(text: str, major: int, end: int) -> NpyHeader:
@@ -155,23 +183,27 @@ def _parse_literal(text: str, major: int, end: int) -> NpyHeader:
         d = _literal(text)
     except _LITERAL_ERRORS as exc:
         if major > 2 or not _PY2_LONG.search(text):
-            raise NpyError(f"header is no Python literal: {exc}") from None
+            raise NpyError(f"header is no Python literal: {_clip(str(exc))}") from None
         try:
             d = _literal(_PY2_LONG.sub(r"\1", text))
         except _LITERAL_ERRORS as exc2:
-            raise NpyError(f"header is no Python literal: {exc2}") from None
+            raise NpyError(f"header is no Python literal: {_clip(str(exc2))}") from None
     if not isinstance(d, dict):
         raise NpyError(f"Header is not a dictionary: {text.strip()[:80]!r}")
     if d.keys() != _KEYS:
         raise NpyError(f"Header does not contain the correct keys: {sorted(map(str, d))}")
     shape = d["shape"]
     if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
-        raise NpyError(f"shape is not a valid shape: {shape!r}")
+        raise NpyError(f"shape is not a valid shape: {_clip(repr(shape))}")
     if not isinstance(d["fortran_order"], bool):
-        raise NpyError(f"fortran_order is not a valid bool: {d['fortran_order']!r}")
+        raise NpyError(f"fortran_order is not a valid bool: {_clip(repr(d['fortran_order']))}")
     descr = d["descr"]
     descr_text = descr if isinstance(descr, str) else repr(descr)
     return _header(descr_text, _resolve(descr), shape, d["fortran_order"], end)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _literal(text: str) -> object:
@@ -194,20 +226,26 @@ def _resolve(descr: object) -> Dtype:
         size, has_object = 0, False
         for field in descr:
             if not isinstance(field, tuple) or len(field) not in (2, 3):
-                raise NpyError(f"structured descr field {field!r} is not (name, descr[, shape])")
+                raise NpyError(f"structured descr field {_clip(repr(field))} is not (name, descr[, shape])")
             dtype = _resolve(field[1])
             size += dtype.itemsize * (_count(field[2]) if len(field) == 3 else 1)
             has_object = has_object or dtype.has_object
         return Dtype(f"void{size * 8}", size, has_object=has_object, torch=False)
-    raise NpyError(f"descr {descr!r} is not a numpy dtype")
+    raise NpyError(f"descr {_clip(repr(descr))} is not a numpy dtype")
 
 
 def _count(shape: object) -> int:
+    n = None
     if type(shape) is int and shape >= 0:
-        return shape
-    if isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape):
-        return prod(shape)
-    raise NpyError(f"subarray shape {shape!r} is not a shape")
+        n = shape
+    elif isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape):
+        n = prod(shape)
+    if n is not None:
+        if n > INT64_MAX:
+            raise NpyError(f"a subarray shape counts {number_text(n)} elements, more than "
+                           "int64 holds: numpy cannot build that dtype")
+        return n
+    raise NpyError(f"subarray shape {_clip(repr(shape))} is not a shape")
 
 
 def _typestr(descr: str) -> Dtype:
@@ -215,6 +253,9 @@ def _typestr(descr: str) -> Dtype:
     if m is None:
         return _numpy_alias(descr)
     order, kind, digits, unit = m.groups()
+    if len(digits) > 18:
+        raise NpyError(f"descr {_clip(descr)} names a {len(digits):,}-digit item size: "
+                       "numpy refuses it")
     size = int(digits) if digits else None
     big = order == ">"
     if kind == "O" and size in (None, 8):
@@ -241,7 +282,7 @@ def _numpy_alias(descr: str) -> Dtype:
     try:
         dtype = np.dtype(descr)
     except Exception as exc:  # numpy's dtype parser raises several types for odd strings
-        raise NpyError(f"descr {descr!r} is not a numpy dtype ({exc})") from None
+        raise NpyError(f"descr {_clip(repr(descr))} is not a numpy dtype ({_clip(str(exc))})") from None
     if dtype.str != descr and _TYPESTR.match(dtype.str) and dtype.subdtype is None:
         return _typestr(dtype.str)
     return Dtype(dtype.name, dtype.itemsize, has_object=dtype.hasobject, torch=False)

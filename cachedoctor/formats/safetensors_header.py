@@ -17,6 +17,7 @@ import re
 from cachedoctor.formats.meta import SAFETENSORS, FileMeta, TensorMeta, contiguous_stride
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_nonfinite_at
 from cachedoctor.formats.source import Source
+from cachedoctor.formats.torch_tensors import clip
 
 N_LEN = 8
 MAX_HEADER_SIZE = 100_000_000
@@ -220,7 +221,7 @@ def _tensor(name: str, value: object) -> _Tensor:
         if len(value) != 3:
             raise _json_error(
                 f"invalid length {len(value)}, expected struct TensorInfo with 3 elements "
-                f"(tensor `{name}`)"
+                f"(tensor `{clip(name)}`)"
             )
         dtype, shape, offsets = value
     elif type(value) is _Object:
@@ -236,17 +237,17 @@ def _tensor(name: str, value: object) -> _Tensor:
                 _check_depth(item, 3)  # unknown fields are ignored, but still parsed
         for field, item in (("dtype", dtype), ("shape", shape), ("data_offsets", offsets)):
             if item is _MISSING:
-                raise _json_error(f"missing field `{field}` (tensor `{name}`)")
+                raise _json_error(f"missing field `{field}` (tensor `{clip(name)}`)")
     else:
         raise _json_error(f"invalid type: {_kind(value)}, expected struct TensorInfo "
-                          f"(tensor `{name}`)")
+                          f"(tensor `{clip(name)}`)")
     return _Tensor(name, _dtype(name, dtype), _sizes(name, "shape", shape, None),
                    _sizes(name, "data_offsets", offsets, 2))
 
 
 def _field(name: str, field: str, current: object, item: object) -> object:
     if current is not _MISSING:
-        raise _json_error(f"duplicate field `{field}` (tensor `{name}`)")
+        raise _json_error(f"duplicate field `{field}` (tensor `{clip(name)}`)")
     return item
 
 
@@ -254,9 +255,9 @@ def _dtype(name: str, value: object) -> str:
     if type(value) is _Object and len(value) == 1 and value[0][1] is None:
         value = value[0][0]  # serde also reads a unit variant from {"F32": null}
     if type(value) is not str:
-        raise _json_error(f"invalid type: {_kind(value)}, expected a dtype (tensor `{name}`)")
+        raise _json_error(f"invalid type: {_kind(value)}, expected a dtype (tensor `{clip(name)}`)")
     if value not in DTYPES:
-        raise _json_error(f"unknown variant `{value}` (tensor `{name}`)")
+        raise _json_error(f"unknown variant `{value}` (tensor `{clip(name)}`)")
     return value
 
 
@@ -264,14 +265,14 @@ def _sizes(name: str, field: str, value: object, length: int | None) -> list[int
     """A list of usize: non-negative ints that fit in 64 bits (bools and floats do not)."""
     if type(value) is not list:
         raise _json_error(f"invalid type: {_kind(value)}, expected a sequence "
-                          f"(tensor `{name}` {field})")
+                          f"(tensor `{clip(name)}` {field})")
     if length is not None and len(value) != length:
         raise _json_error(f"invalid length {len(value)}, expected {length} elements in sequence "
-                          f"(tensor `{name}` {field})")
+                          f"(tensor `{clip(name)}` {field})")
     for item in value:
         if type(item) is not int or not 0 <= item <= U64_MAX:
             raise _json_error(f"invalid value: {_kind(item)}, expected usize "
-                              f"(tensor `{name}` {field})")
+                              f"(tensor `{clip(name)}` {field})")
     return value
 
 
@@ -300,7 +301,7 @@ def _validate(tensors: list[_Tensor]) -> int:
     start = 0
     for t in tensors:
         if t.begin != start or t.end < t.begin:
-            raise _Invalid(f"invalid offset for tensor `{t.name}` (data_offsets "
+            raise _Invalid(f"invalid offset for tensor `{clip(t.name)}` (data_offsets "
                            f"[{t.begin}, {t.end}], expected to begin at {start:,})")
         start = t.end
         numel = 1
@@ -313,17 +314,23 @@ def _validate(tensors: list[_Tensor]) -> int:
             raise _overflow(t)
         if nbits % 8:
             raise _Invalid(f"the slice does not end up at a byte boundary, this is invalid "
-                           f"(tensor `{t.name}`: {numel:,} × {t.dtype} is {nbits:,} bits)")
+                           f"(tensor `{clip(t.name)}`: {numel:,} × {t.dtype} is {nbits:,} bits)")
         if t.end - t.begin != nbits // 8:
-            raise _Invalid(f"invalid shape, data type, or offset for tensor `{t.name}` "
-                           f"({t.dtype} {t.shape} needs {nbits // 8:,} bytes, data_offsets "
+            raise _Invalid(f"invalid shape, data type, or offset for tensor `{clip(t.name)}` "
+                           f"({t.dtype} {_shape(t.shape)} needs {nbits // 8:,} bytes, data_offsets "
                            f"[{t.begin}, {t.end}] hold {t.end - t.begin:,})")
     return start
 
 
+def _shape(shape: list[int]) -> str:
+    """A shape from the header, bounded: a hostile one has thousands of 20-digit dims."""
+    text = ", ".join(f"{n:,}" for n in shape[:8])
+    return f"[{text}{f', … ({len(shape):,} dims)' if len(shape) > 8 else ''}]"
+
+
 def _overflow(t: _Tensor) -> _Invalid:
     return _Invalid("overflow computing buffer size from shape and/or element type "
-                    f"(tensor `{t.name}`: {t.dtype} {t.shape})")
+                    f"(tensor `{clip(t.name)}`: {t.dtype} {_shape(t.shape)})")
 
 
 def _json_error(detail: str) -> _Invalid:
@@ -348,7 +355,7 @@ def _tensor_meta(t: _Tensor, notes: list[str]) -> TensorMeta:
     if bits == 4 and shape and shape[-1] % 2 == 0:
         shape = (*shape[:-1], shape[-1] // 2)  # torch's float4_e2m1fn_x2 holds two per byte
     elif bits < 8:
-        notes.append(f"tensor `{t.name}` is {t.dtype} {list(t.shape)}, which torch cannot "
+        notes.append(f"tensor `{clip(t.name)}` is {t.dtype} {list(t.shape)}, which torch cannot "
                      f"hold: described as {nbytes:,} packed bytes")
         shape = (nbytes,)
     return TensorMeta(

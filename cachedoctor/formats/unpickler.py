@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from cachedoctor.formats.meta import INT64_MAX, number_text
 from cachedoctor.formats.pickle_guard import OPS, StreamError, check_stream, token_patterns
 
 MAX_PICKLE_BYTES = 64 * 1024 * 1024
@@ -280,13 +281,15 @@ def _ints(value: object, what: str) -> tuple[int, ...]:
             raise pickle.UnpicklingError(f"a tensor's {what} is not a tuple of integers")
         value = tuple(value)
     for v in value:
-        if type(v) is not int or v < 0:
+        if type(v) is not int or not 0 <= v <= INT64_MAX:
             raise pickle.UnpicklingError(f"a tensor's {what} holds {_kind_of(v)}")
     return value
 
 
 def _kind_of(v: object) -> str:
-    return "a negative number" if type(v) is int else f"a {type(v).__name__}, not an integer"
+    if type(v) is int:  # torch keeps sizes, strides and offsets in int64
+        return "a negative number" if v < 0 else f"{number_text(v)}, more than int64 holds"
+    return f"a {type(v).__name__}, not an integer"
 
 
 # torch.Tensor, and what a tensor becomes when it is built from a global we do not interpret
@@ -405,6 +408,8 @@ def _size(*args: object) -> tuple[int, ...]:
         return ()
     if type(args[0]) not in (tuple, list) or any(type(v) is not int for v in args[0]):
         raise pickle.UnpicklingError("torch.Size holds something other than integers")
+    if any(abs(v) > INT64_MAX for v in args[0]):
+        raise pickle.UnpicklingError("torch.Size holds a number past int64")
     _charge(args[0])
     return tuple(args[0])
 
@@ -593,6 +598,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if key is None or location is None or type(numel) is not int or numel < 0:
                 raise pickle.UnpicklingError(
                     "a storage reference has a malformed key, location or size")
+            if numel * stype.dtype.itemsize > INT64_MAX:
+                raise pickle.UnpicklingError(
+                    f"storage '{key[:60]}' holds {number_text(numel)} elements, more bytes than "
+                    "int64 holds")
             root = self.storages[key] = StorageRef(key, stype, location, numel)
         # like torch, the first reference to a key decides; later ones reuse it
         return root if not self.legacy or pid[5] is None else self._view(root, pid[5], stype)
@@ -603,6 +612,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         key, offset, size = _text(view[0]), view[1], view[2]
         if key is None or type(offset) is not int or type(size) is not int or min(offset, size) < 0:
             raise pickle.UnpicklingError("a storage view is malformed")
+        if max(offset, size) > INT64_MAX:
+            raise pickle.UnpicklingError("a storage view's offset or size is past int64")
         isz = stype.dtype.itemsize
         if (offset + size) * isz > root.nbytes:
             raise pickle.UnpicklingError(
