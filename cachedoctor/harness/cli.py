@@ -34,7 +34,7 @@ FAILURE_WIDTH = 160
 
 @harness_app.command("list", cls=Command)
 def list_scenarios() -> None:
-    """The scenarios: one per incident in the field notes."""
+    """The scenarios: one per incident of docs/incidents.md."""
     for name in SCENARIOS:
         scenario = load_scenario(name)
         typer.echo(f"{name:<18} {scenario.SUMMARY} [{scenario.INCIDENT}]")
