@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,16 @@ def invoke(*args: str):
     from cachedoctor.cli import app
 
     return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(autouse=True)
+def _state_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`fix` records the caches it repaired in a small index (repair/index.py) under the user's
+    home; a test's index goes into pytest's temp dir instead, which pytest cleans up."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(state))
+    yield
+    shutil.rmtree(state, ignore_errors=True)  # kept by no retention policy: nothing to look at
 
 
 @pytest.fixture(scope="session", autouse=True)
