@@ -49,12 +49,19 @@ def invoke(*args: str):
 
 
 @pytest.fixture(autouse=True)
-def _state_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _state_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """`fix` records the caches it repaired in a small index (repair/index.py) under the user's
-    home; a test's index goes into pytest's temp dir instead, which pytest cleans up."""
+    home; a test's index goes into pytest's temp dir instead, removed after the test. (No
+    monkeypatch here: set up before a test's own, this is torn down after it, so a test's patched
+    os functions are gone when rmtree runs.)"""
     state = tmp_path_factory.mktemp("state")
-    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(state))
+    before = os.environ.get("CACHEDOCTOR_STATE_DIR")
+    os.environ["CACHEDOCTOR_STATE_DIR"] = str(state)
     yield
+    if before is None:
+        os.environ.pop("CACHEDOCTOR_STATE_DIR", None)
+    else:
+        os.environ["CACHEDOCTOR_STATE_DIR"] = before
     shutil.rmtree(state, ignore_errors=True)  # kept by no retention policy: nothing to look at
 
 

@@ -120,6 +120,7 @@ def test_help_shows_metavars_not_types(command: tuple[str, ...]) -> None:
     result = invoke(*command, "--help")
     assert result.exit_code == 0
     assert not re.search(r"<\w+>|\{\w+\}", result.stdout), result.stdout
+    assert not re.search(r"--[A-Z]", result.stdout), result.stdout  # a metavar never renames an option
     usage = result.stdout.splitlines()[0]
     assert re.fullmatch(r"Usage: \S+ [a-z ]+ \[OPTIONS\]( \[?[A-Z_|a-z.]+\]?)*", usage), usage
 

@@ -23,7 +23,7 @@ harness_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_marku
 
 Scenario = Annotated[str, typer.Argument(metavar="SCENARIO|all", help=f"A scenario ({', '.join(SCENARIOS)}) or 'all'.")]
 Ranks = Annotated[int, typer.Option(metavar="N", help="Rank processes in the torch.distributed group.")]
-Device = Annotated[str, typer.Option(metavar="DEVICE", help=(
+Device = Annotated[str, typer.Option(metavar="cpu|cuda", help=(
     "cpu (gloo) or cuda (nccl when each rank has a GPU of its own, else gloo)."))]
 Workdir = Annotated[Path | None, typer.Option(
     metavar="DIR", help="Where runs write their projects (default: a temp dir).")]
