@@ -17,7 +17,7 @@ in folders of 1,000, and for all N in one flat folder (hard links): memory must 
 the number of clean files.
 
 Each file is `{"latent": t, "original_size": (w, h), "crop": (0, 0)}` as in the measurements
-of shared/research/tensor-formats.md §7 that set the targets (`--layout dict`), or a bare
+that set the speed targets (README, "Speed") (`--layout dict`), or a bare
 tensor as SimpleTuner writes it (`--layout bare`), which torch.load reads about 1.7x faster.
 
     python benchmarks/scan_speed.py [--files N] [--layout dict|bare] [--dir DIR] [--keep]

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cachedoctor import __version__
+from cachedoctor.cli_usage import Command
+from cachedoctor.cli_usage import run as run_app
 from cachedoctor.harness.cli import harness_app
 
 if TYPE_CHECKING:
@@ -50,27 +52,34 @@ def _root(
     pass
 
 
-@app.command()
+@app.command(cls=Command)
 def scan(
-    targets: Annotated[list[str], typer.Argument(help="Cache dirs, cache files, trainer configs or project folders.")],
-    fmt: Annotated[str, typer.Option("--format", help="text | json | sarif | github | junit")] = "text",
+    targets: Annotated[list[str], typer.Argument(
+        metavar="TARGET...", help="Cache dirs, cache files, trainer configs or project folders.")],
+    fmt: Annotated[str, typer.Option(
+        "--format", metavar="FORMAT", help="text | json | sarif | github | junit")] = "text",
     output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Write the report to this file; the terminal gets the summary.")] = None,
+        "--output", "-o", metavar="FILE", help="Write the report to this file; the terminal gets the summary.")] = None,
     fail_on: Annotated[str | None, typer.Option(
-        help="Exit 1 on findings at or above: error|warning|info|never (default: error).")] = None,
+        metavar="LEVEL", help="Exit 1 on findings at or above: error|warning|info|never (default: error).")] = None,
     deep: Annotated[bool | None, typer.Option(
         "--deep/--no-deep", help="Read whole tensors: CRC32 of every entry, NaN/Inf.")] = None,
-    jobs: Annotated[int | None, typer.Option("-j", "--jobs", help="Worker processes (default: one per core).")] = None,
-    select: Annotated[list[str] | None, typer.Option(help="Only these codes or prefixes (CD1, CD201).")] = None,
-    extend_select: Annotated[list[str] | None, typer.Option(help="Codes or prefixes to add to the selection.")] = None,
-    ignore: Annotated[list[str] | None, typer.Option(help="Skip these codes or prefixes.")] = None,
-    exclude: Annotated[list[str] | None, typer.Option(help="Skip paths matching this glob.")] = None,
+    jobs: Annotated[int | None, typer.Option(
+        "-j", "--jobs", metavar="N", help="Worker processes (default: one per core).")] = None,
+    select: Annotated[list[str] | None, typer.Option(
+        metavar="RULES", help="Only these rule codes, prefixes or names (CD1, CD201, retained-batch-storage).")] = None,
+    extend_select: Annotated[list[str] | None, typer.Option(
+        metavar="RULES", help="Rule codes, prefixes or names to add to the selection.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option(
+        metavar="RULES", help="Skip these rule codes, prefixes or names.")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(metavar="GLOB", help="Skip paths matching this glob.")] = None,
     baseline: Annotated[Path | None, typer.Option(
-        help="Report only findings this baseline file does not record.")] = None,
+        metavar="FILE", help="Report only findings this baseline file does not record.")] = None,
     write_baseline: Annotated[Path | None, typer.Option(
-        help="Record every finding in this baseline file; exit 0.")] = None,
+        metavar="FILE", help="Record every finding in this baseline file; exit 0.")] = None,
     config: Annotated[list[str] | None, typer.Option(
-        "--config", help="A config file, or a TOML 'KEY = VALUE' override (repeatable).")] = None,
+        "--config", metavar="FILE|'KEY = VALUE'",
+        help="A config file, or a TOML 'KEY = VALUE' override (repeatable).")] = None,
     isolated: Annotated[bool, typer.Option(help="Ignore every config file.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
 ) -> None:
@@ -219,7 +228,7 @@ class _Progress:
             self._bar.stop()
 
 
-@app.command()
+@app.command(cls=Command)
 def rules(
     markdown: Annotated[bool, typer.Option("--markdown", help="A Markdown table (the README's).")] = False,
 ) -> None:
@@ -229,22 +238,29 @@ def rules(
     if markdown:
         typer.echo(rules_table(RULES.values()))
         return
+    row = "{:<6} {:<32} {:<8} {:<11} {}"
+    typer.echo(row.format("code", "name", "severity", "fix", "fires when"))
     for rule in RULES.values():
-        deep = " (--deep)" if rule.deep else ""
-        typer.echo(f"{rule.code}  {rule.name:<32} {rule.severity!s:<8} {rule.fix or '-':<11} "
-                   f"{rule.summary}{deep}")
+        typer.echo(row.format(rule.code, rule.name, str(rule.severity), rule.fix or "manual",
+                              fires_when(rule, "--deep")))
+
+
+def fires_when(rule: Rule, deep: str) -> str:
+    """The rule's summary, marked `deep` when it runs only under --deep (once: a summary may
+    already say so)."""
+    return rule.summary if not rule.deep or "--deep" in rule.summary else f"{rule.summary} ({deep})"
 
 
 def rules_table(rules: Iterable[Rule]) -> str:
     lines = ["| code | name | severity | fires when | fix |", "|---|---|---|---|---|"]
     for rule in rules:
-        when = rule.summary + (" (`--deep`)" if rule.deep and "--deep" not in rule.summary else "")
-        lines.append(f"| {rule.code} | {rule.name} | {rule.severity} | {when} | {rule.fix or 'manual'} |")
+        lines.append(f"| {rule.code} | {rule.name} | {rule.severity} | {fires_when(rule, '`--deep`')} "
+                     f"| {rule.fix or 'manual'} |")
     return "\n".join(lines)
 
 
-@app.command()
-def explain(code: Annotated[str, typer.Argument(help="A rule code (CD201) or name.")]) -> None:
+@app.command(cls=Command)
+def explain(code: Annotated[str, typer.Argument(metavar="RULE", help="A rule code (CD201) or name.")]) -> None:
     """Why a rule matters, an example, and how to fix it."""
     from cachedoctor.checks import RULES, get
 
@@ -262,25 +278,30 @@ def explain(code: Annotated[str, typer.Argument(help="A rule code (CD201) or nam
         typer.echo(f"{heading(rule)}\n\n{rule.doc.strip()}")
 
 
-@app.command()
+@app.command(cls=Command)
 def fix(
-    targets: Annotated[list[str] | None, typer.Argument(help="Cache dirs or cache files to repair.")] = None,
+    targets: Annotated[list[str] | None, typer.Argument(
+        metavar="TARGET...",
+        help="What to repair, as for scan: cache dirs, cache files, trainer configs or project folders "
+             "(--reencode needs a config or project: it names the images).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking (needed in a pipe).")] = False,
-    select: Annotated[list[str] | None, typer.Option(help="Only findings of these codes or prefixes.")] = None,
-    ignore: Annotated[list[str] | None, typer.Option(help="Not findings of these codes or prefixes.")] = None,
-    exclude: Annotated[list[str] | None, typer.Option(help="Skip paths matching this glob.")] = None,
+    select: Annotated[list[str] | None, typer.Option(
+        metavar="RULES", help="Only findings of these rule codes, prefixes or names.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option(
+        metavar="RULES", help="Not findings of these rule codes, prefixes or names.")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(metavar="GLOB", help="Skip paths matching this glob.")] = None,
     deep: Annotated[bool, typer.Option(help="Scan whole tensors too (finds CD103, CD106).")] = False,
     reencode: Annotated[bool, typer.Option(help="Encode quarantined and missing entries again.")] = False,
     encoder: Annotated[str | None, typer.Option(
-        help="For --reencode: reference | module:callable | diffusers:PATH.")] = None,
-    wait: Annotated[float, typer.Option(help="Wait this many seconds for another fix or undo "
+        metavar="SPEC", help="For --reencode: diffusers:PATH | module:callable | reference (tests only).")] = None,
+    wait: Annotated[float, typer.Option(metavar="SECONDS", help="Wait this many seconds for another fix or undo "
                                              "on the same cache (default: fail at once).")] = 0.0,
     include_info: Annotated[bool, typer.Option(
         "--include-info", help="Act on info findings too (CD405 orphans); default: warning and above.")] = False,
     list_runs: Annotated[bool, typer.Option("--list-runs", help="List the runs (of TARGETs' caches, "
                                             "or of every cache you fixed) and exit.")] = False,
-    jobs: Annotated[int | None, typer.Option("-j", "--jobs", help="Scan worker processes.")] = None,
+    jobs: Annotated[int | None, typer.Option("-j", "--jobs", metavar="N", help="Scan worker processes.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every file of the plan.")] = False,
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
@@ -306,7 +327,8 @@ def fix(
         render_runs(listing(roots if roots is not None else known_roots()), sys.stdout)
         return
     if roots is None:
-        raise fail("fix needs a TARGET (a cache dir or file), or --list-runs")
+        raise fail("fix needs a TARGET (a cache dir or file, a trainer config or project folder), "
+                   "or --list-runs")
     options = _fix_options(deep, select, ignore, exclude, jobs)
     if encoder is not None and not reencode:
         raise fail("--encoder is for --reencode")
@@ -316,8 +338,9 @@ def fix(
         from cachedoctor.repair.encoders import resolve as resolve_encoder
 
         if encoder is None:
-            raise fail("--reencode needs --encoder: reference (the test harness's stand-in VAE), "
-                       "module:callable, or diffusers:PATH")
+            raise fail("--reencode needs --encoder: diffusers:PATH (a local diffusers VAE), "
+                       "module:callable (your encoder), or reference (the test harness's stand-in: "
+                       "never on a real cache)")
         try:
             chosen = resolve_encoder(encoder)
         except EncoderError as exc:
@@ -469,12 +492,13 @@ def _pending_notes(roots: tuple[str, ...]) -> None:
                        "the next fix or undo finishes it (a dry run leaves it).")
 
 
-@app.command()
+@app.command(cls=Command)
 def undo(
-    run_id: Annotated[str | None, typer.Argument(help="The run to undo (default: the latest not undone).")] = None,
+    run_id: Annotated[str | None, typer.Argument(
+        metavar="RUN_ID", help="The run to undo (default: the latest not undone).")] = None,
     cache: Annotated[list[str] | None, typer.Option(
-        help="The cache dir(s) whose journal to use (default: every cache you ran fix on).")] = None,
-    wait: Annotated[float, typer.Option(help="Wait this many seconds for a fix or undo running "
+        metavar="DIR", help="The cache dir(s) whose journal to use (default: every cache you ran fix on).")] = None,
+    wait: Annotated[float, typer.Option(metavar="SECONDS", help="Wait this many seconds for a fix or undo running "
                                              "on the same cache.")] = 0.0,
 ) -> None:
     """Put back every file a fix run changed, byte for byte.
@@ -592,8 +616,8 @@ def purge(
 DEMO_MARKER = Path(".cachedoctor") / "demo"
 
 
-@app.command()
-def demo(directory: Annotated[Path, typer.Argument(help="Where to write the demo.")]) -> None:
+@app.command(cls=Command)
+def demo(directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to write the demo.")]) -> None:
     """Write a small cache and a SimpleTuner project holding one of every defect, to try
     `cachedoctor scan` on."""
     if directory.exists() and any(directory.iterdir()):
@@ -629,7 +653,7 @@ def _stdout_to_devnull() -> None:
 
 def main() -> None:
     try:
-        app()
+        code = run_app(app)
     except KeyboardInterrupt:
         typer.echo("cachedoctor: interrupted", err=True)
         sys.exit(130)
@@ -639,3 +663,4 @@ def main() -> None:
         typer.echo(f"cachedoctor: internal error: {type(exc).__name__}: {exc} "
                    "(set CACHEDOCTOR_DEBUG=1 for the traceback)", err=True)
         sys.exit(EXIT_USAGE)
+    sys.exit(code)

@@ -197,16 +197,23 @@ def _rules() -> dict:
 
 
 def _selectors(table: dict, key: str, error) -> tuple[str, ...]:
-    selectors = tuple(s.strip().upper() for s in _strings(table, key, error))
-    for selector in selectors:
+    from cachedoctor.checks import get
+
+    selectors = []
+    for given in _strings(table, key, error):
+        rule = get(given)  # a code or a name (retained-batch-storage)
+        selector = rule.code if rule else given.strip().upper()
         if not any(code.startswith(selector) for code in _rules()):
-            raise error(key, f"{selector!r} is no rule code or prefix (`cachedoctor rules` "
+            raise error(key, f"{given.strip()!r} is no rule code, prefix or name (`cachedoctor rules` "
                              "lists them)")
-    return selectors
+        selectors.append(selector)
+    return tuple(selectors)
 
 
 def _rule(code: Any, key: str, error):
-    rule = _rules().get(str(code).upper())
+    from cachedoctor.checks import get
+
+    rule = get(str(code))
     if rule is None:
         raise error(key, f"no rule {code!r} (`cachedoctor rules` lists them)")
     return rule

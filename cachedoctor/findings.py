@@ -110,7 +110,7 @@ class Finding:
         return (self.dataset or "", self.code, self.path, self.message)
 
     def to_dict(self, cwd: str | None = None) -> dict[str, Any]:
-        """The JSON contract of DESIGN.md §8."""
+        """One finding as the JSON report writes it (README, "JSON report": a public contract)."""
         return {
             "code": self.code,
             "name": self.name,

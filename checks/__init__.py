@@ -1,6 +1,6 @@
 """The rule catalogue: one module per rule, registered here in one table.
 
-Codes are a public contract (DESIGN.md §4): never renumber, only add.
+Codes are a public contract: never renumber, only add.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Reports cache clearing that races with other processes: SimpleTuner's
 At each epoch rollover every SimpleTuner rank clears the dataset's cache and rebuilds its own
 share, without waiting for the others: ranks delete latents another rank has just written or
 is about to read, and epoch 2 stops with `Some images were not correctly cached during the VAE
-Cache operations` (field notes, incident 2; SimpleTuner #848). OneTrainer clears `image/` and
+Cache operations` (docs/incidents.md, incident 2; SimpleTuner #848). OneTrainer clears `image/` and
 `text/` under `cache_dir` at every start, so a second run on the same cache dir deletes the
 first one's cache under its feet.
 

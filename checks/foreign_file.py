@@ -5,7 +5,7 @@ file, an archive of something else.
 ## Why is this bad?
 It usually means the image dir and the cache dir are one folder (or nested): the trainer then
 takes cache files for images and images for cache entries, skips preprocessing for some samples
-and stacks tensors of different shapes into one batch (field notes, incident 5; SimpleTuner
+and stacks tensors of different shapes into one batch (docs/incidents.md, incident 5; SimpleTuner
 issues #643 and #788). Check the dataset config for CD401 and CD402.
 
 ## Example

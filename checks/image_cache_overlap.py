@@ -8,7 +8,7 @@ ai-toolkit's `_latent_cache` inside each image folder.
 ## Why is this bad?
 The trainer then takes cache files for images and images for cache entries: preprocessing is
 skipped for some samples, latents of different shapes land in one bucket, and a batch fails
-to stack (field notes, incident 5). SimpleTuner refuses two VAE caches in one dir and a VAE
+to stack (docs/incidents.md, incident 5). SimpleTuner refuses two VAE caches in one dir and a VAE
 cache in the text cache dir (CD402) but compares the strings only, and does not compare cache
 dirs with image dirs at all.
 

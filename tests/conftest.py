@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,23 @@ def invoke(*args: str):
     from cachedoctor.cli import app
 
     return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(autouse=True)
+def _state_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`fix` records the caches it repaired in a small index (repair/index.py) under the user's
+    home; a test's index goes into pytest's temp dir instead, removed after the test. (No
+    monkeypatch here: set up before a test's own, this is torn down after it, so a test's patched
+    os functions are gone when rmtree runs.)"""
+    state = tmp_path_factory.mktemp("state")
+    before = os.environ.get("CACHEDOCTOR_STATE_DIR")
+    os.environ["CACHEDOCTOR_STATE_DIR"] = str(state)
+    yield
+    if before is None:
+        os.environ.pop("CACHEDOCTOR_STATE_DIR", None)
+    else:
+        os.environ["CACHEDOCTOR_STATE_DIR"] = before
+    shutil.rmtree(state, ignore_errors=True)  # kept by no retention policy: nothing to look at
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -184,7 +184,7 @@ def test_exclude_globs_are_relative_to_the_file(tmp_path: Path, monkeypatch) -> 
         ('fail_on = "warning"', "tool.cachedoctor.fail_on: unknown key"),
         ('fail-on = "sometimes"', "tool.cachedoctor.fail-on: expected one of"),
         ('select = "CD1"', "tool.cachedoctor.select: expected a list of strings"),
-        ('ignore = ["CD9"]', "tool.cachedoctor.ignore: 'CD9' is no rule code or prefix"),
+        ('ignore = ["CD9"]', "tool.cachedoctor.ignore: 'CD9' is no rule code, prefix or name"),
         ("deep = 1", "tool.cachedoctor.deep: expected true or false"),
         ('severity = { CD201 = "fatal" }', "tool.cachedoctor.severity.CD201: expected error, warning, info or off"),
         ('severity = { CD999 = "error" }', "tool.cachedoctor.severity.CD999: no rule 'CD999'"),

@@ -212,3 +212,69 @@ def test_every_format_renders_an_empty_report(tmp_path: Path) -> None:
             json.loads(text)
         elif name == "junit":
             ET.fromstring(text)
+
+
+def test_junit_failure_body_has_real_newlines_and_escapes_only_the_message() -> None:
+    finding = Finding("CD101", "unreadable-archive", Severity.ERROR, "/c/a.pt", "cut short\nreally",
+                      details={"entry": "archive/data/0"})
+    root = ET.fromstring(_render(junit, Report.build((), [finding], 1, 0), cwd="/c"))
+    (failure,) = root.iter("failure")
+    lines = failure.text.split("\n")
+    assert lines[0] == "CD101 unreadable-archive (error) in a.pt"
+    assert lines[1] == "cut short\\x0areally"  # a newline inside a message stays inert
+    assert lines[2] == 'details: {"entry": "archive/data/0"}'
+    assert lines[3].startswith("fix: quarantine" if finding.fix else "fix: manual")
+    assert len(lines) == 4
+
+
+def _table(findings: list[Finding]) -> list[str]:
+    """The terminal table's rows (color on, as on a terminal), without the escapes."""
+    import io
+
+    from cachedoctor.reporters import text
+
+    out = io.StringIO()
+    text.render(Report.build((), findings, len(findings), 0), out, color=True, cwd="/c")
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())
+    return [" ".join(line.split()) for line in plain.splitlines()]
+
+
+def test_table_collapses_only_findings_that_say_the_same_thing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row
+    orphan = "no source image maps to this entry (a renamed or deleted image)"
+    findings = [
+        Finding("CD405", "orphan-cache-entries", Severity.INFO, "/c/cache/index.json", "lists 1 image "
+                "that no longer exists: img_201.png", dataset="photos"),
+        *(Finding("CD405", "orphan-cache-entries", Severity.INFO, f"/c/cache/{i:064x}.pt", orphan,
+                  dataset="photos") for i in range(5)),
+        Finding("CD405", "orphan-cache-entries", Severity.INFO, "/c/cache/img_000.pt",
+                "old unhashed name: never read", dataset="photos"),
+        *(Finding("CD302", "latent-size-mismatch", Severity.ERROR, f"/c/cache/l{i}.pt",
+                  f"latent is {16 + i}x16; bucket 1.0 needs 16x16", dataset="photos") for i in range(3)),
+    ]
+    rows = _table(findings)
+    row = {text: next(r for r in rows if text in r) for text in ("img_201.png", orphan, "never read", "latent is")}
+    assert "(+" not in row["img_201.png"] and "(and" not in row["img_201.png"]
+    assert row[orphan].endswith("(and 4 more like it)")  # the five orphans: one row
+    assert "(and" not in row["never read"]
+    assert row["latent is"].endswith("(and 2 more like it)")  # three size mismatches: one kind, numbers aside
+    assert len([r for r in rows if " CD405 " in r]) == 3
+
+
+def test_gist_keeps_words_and_drops_what_varies() -> None:
+    from cachedoctor.reporters.text import gist
+
+    assert gist("its image img_101.png was modified 50 min after") == gist(
+        "its image cat.jpg was modified 3 min after")
+    assert gist("an image in a cache dir") != gist("a text file (caption?) in a cache dir")
+    assert gist("one image's latent overwrites the other's") == "one image's latent overwrites the other's"
+
+
+def test_a_single_file_target_is_labelled_with_its_folder(tmp_path: Path) -> None:
+    from conftest import scan_paths
+
+    (tmp_path / "latents").mkdir()
+    (tmp_path / "latents" / "img_0000.pt").write_bytes(b"")
+    (finding,) = scan_paths(tmp_path / "latents" / "img_0000.pt").findings
+    assert finding.code == "CD102"
+    assert finding.dataset == "latents"

@@ -1,4 +1,4 @@
-"""The reference encode/train harness (DESIGN.md §7): each incident of field-notes.md reproduced
+"""The reference encode/train harness: each incident of docs/incidents.md reproduced
 by its real mechanism on real ranks, named by `cachedoctor scan`, and its fix verified.
 
 `cachedoctor harness list|reproduce|verify`; the parts: project.py (SimpleTuner project files),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from cachedoctor.cli_usage import Command
 from cachedoctor.harness.scenarios import SCENARIOS, load_scenario
 
 if TYPE_CHECKING:
@@ -21,30 +22,32 @@ harness_app = typer.Typer(no_args_is_help=True, add_completion=False, rich_marku
                           pretty_exceptions_enable=False)
 
 Scenario = Annotated[str, typer.Argument(metavar="SCENARIO|all", help=f"A scenario ({', '.join(SCENARIOS)}) or 'all'.")]
-Ranks = Annotated[int, typer.Option(help="Rank processes in the torch.distributed group.")]
-Device = Annotated[str, typer.Option(help="cpu (gloo) or cuda (nccl when each rank has a GPU of its own, else gloo).")]
-Workdir = Annotated[Path | None, typer.Option(help="Where runs write their projects (default: a temp dir).")]
+Ranks = Annotated[int, typer.Option(metavar="N", help="Rank processes in the torch.distributed group.")]
+Device = Annotated[str, typer.Option(metavar="cpu|cuda", help=(
+    "cpu (gloo) or cuda (nccl when each rank has a GPU of its own, else gloo)."))]
+Workdir = Annotated[Path | None, typer.Option(
+    metavar="DIR", help="Where runs write their projects (default: a temp dir).")]
 Keep = Annotated[bool, typer.Option(help="Keep the default temp dir (a given --workdir is always kept).")]
-Format = Annotated[str, typer.Option("--format", help="text | json")]
+Format = Annotated[str, typer.Option("--format", metavar="FORMAT", help="text | json")]
 FAILURE_WIDTH = 160
 
 
-@harness_app.command("list")
+@harness_app.command("list", cls=Command)
 def list_scenarios() -> None:
-    """The scenarios: one per incident in the field notes."""
+    """The scenarios: one per incident of docs/incidents.md."""
     for name in SCENARIOS:
         scenario = load_scenario(name)
         typer.echo(f"{name:<18} {scenario.SUMMARY} [{scenario.INCIDENT}]")
 
 
-@harness_app.command()
+@harness_app.command(cls=Command)
 def reproduce(scenario: Scenario, ranks: Ranks = 2, device: Device = "cpu", workdir: Workdir = None,
               keep: Keep = False, fmt: Format = "text") -> None:
     """Run the buggy pipeline: the failure must happen and `scan` must name it."""
     run("reproduce", scenario, ranks, device, workdir, keep, fmt)
 
 
-@harness_app.command()
+@harness_app.command(cls=Command)
 def verify(scenario: Scenario, ranks: Ranks = 2, device: Device = "cpu", workdir: Workdir = None,
            keep: Keep = False, fmt: Format = "text") -> None:
     """Run the fixed pipeline under the same load: no failure, scan clean, training finishes."""

@@ -23,7 +23,7 @@ TRAIN_BATCH_SIZE = 2
 
 
 def missing_entries_message(dataset_id: str, images: list[str]) -> str:
-    """vae.py `encode_images`, word for word (research/simpletuner.md §5)."""
+    """vae.py `encode_images`, word for word (SimpleTuner's simpletuner/helpers/caching/vae.py)."""
     return (f"(id={dataset_id}) Some images were not correctly cached during the VAE Cache operations. "
             f"Ensure --skip_file_discovery=vae is not set.\nProblematic images: {images}")
 

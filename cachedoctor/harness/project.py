@@ -2,9 +2,10 @@
 `config/multidatabackend.json`, and SimpleTuner's cache names and bucket files.
 
 Everything here is plain files and JSON (no torch), so the parent process writes the project and
-the rank processes read it back from `project.json`. Names follow research/simpletuner.md §1-4:
-VAE entries `sha256(<image stem>).pt`, text entries `md5(caption)-<family>.pt`, bucket files
-`aspect_ratio_bucket_{indices,metadata}_<id>.json` in the image dir.
+the rank processes read it back from `project.json`. Names follow SimpleTuner's own (README,
+"How each trainer's files map"): VAE entries `sha256(<image stem>).pt`, text entries
+`md5(caption)-<family>.pt`, bucket files `aspect_ratio_bucket_{indices,metadata}_<id>.json` in
+the image dir.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Project:
     per_bucket: int = MIN_PER_BUCKET  # images per aspect bucket
     family: str = "sdxl"
     dataset_id: str = "photos"
-    overlap: bool = False  # the image dir is the VAE cache dir (field notes, incident 5)
+    overlap: bool = False  # the image dir is the VAE cache dir (docs/incidents.md, incident 5)
     clear_each_epoch: bool = False  # vae_cache_clear_each_epoch (incident 2)
     # the harness loads entries with a plain torch.load, not SimpleTuner's map_location="cpu":
     # scanned as caches whose loader is unknown, not through the SimpleTuner config (incident 3)

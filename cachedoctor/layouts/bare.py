@@ -47,8 +47,10 @@ GROUP = re.compile(r"^[0-9a-f]{64}$")
 
 def layout(path: str) -> Layout:
     path = os.path.abspath(path)
-    name = os.path.basename(path.rstrip(os.sep)) or path
     isdir = os.path.isdir(path)
+    # a single file belongs to the dataset of its folder (a label, not the file's own name)
+    named = path if isdir or not os.path.lexists(path) else os.path.dirname(path)
+    name = os.path.basename(named.rstrip(os.sep)) or named
     if isdir and (_kohya_image_dir(path) or any(
             _kohya_image_dir(os.path.join(path, sub)) for sub in subdirs(path, kohya.subset_folder))):
         naming = kohya.KohyaNaming(root=path, buckets=None)

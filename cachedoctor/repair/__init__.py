@@ -1,6 +1,6 @@
 """Repair: build a plan from a scan's findings, then apply it under a lock, journaled, undoably.
 
-DESIGN.md §6. The shape follows huggingface_hub's cache manager: `build_plan` returns a frozen
+README, "Repairing: fix and undo". The shape follows huggingface_hub's cache manager: `build_plan` returns a frozen
 `Plan` (actions, `expected_freed_size`, `bytes_rewritten`) that changes nothing until its
 `execute()` runs. Every change is journaled in `<cache>/.cachedoctor/journal.sqlite` before it
 happens, every replaced or removed file is kept in `<cache>/.cachedoctor/quarantine/<run>/`, and

@@ -127,8 +127,8 @@ def resolve(spec: str) -> Encoder:
         return _diffusers(spec, spec.removeprefix("diffusers:"))
     match = CALLABLE_SPEC.match(spec)
     if match is None:
-        raise EncoderError(f"unknown --encoder {spec!r}: expected reference, diffusers:PATH or "
-                           "module:callable")
+        raise EncoderError(f"unknown --encoder {spec!r}: expected diffusers:PATH, module:callable "
+                           "or reference (the test harness's stand-in: never on a real cache)")
     module_name, attribute = match.groups()
     try:
         found: Any = importlib.import_module(module_name)

@@ -7,7 +7,7 @@ CPU), then to-cpu. Info findings are left out unless asked for (`include_info`: 
 --include-info`); the plan lists them. Findings without an automatic fix become notes (with the config edit, where
 the finding carries one in `details["change"]`, with its `line`).
 
-Under --reencode (`Reencode`), every quarantined entry that DESIGN.md §4 marks "(+ re-encode)"
+Under --reencode (`Reencode`), every quarantined entry of a rule in REENCODE_AFTER
 and every image without its entry (CD404) gets a reencode action: the trainer's layout names the
 source image and describes the entry it would write (layouts/entries.py); where it cannot, a
 skip note says why.
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 REENCODE = "reencode"
 KINDS = (QUARANTINE, COMPACT, TO_CPU, REENCODE)  # the order a run applies them in
 REWRITES = frozenset({COMPACT, TO_CPU})
-# DESIGN.md §4's "quarantine (+ re-encode)": under --reencode these entries are encoded again.
+# quarantined entries of these rules are encoded again under --reencode (README, the `reencode` action)
 REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD303",
                             "CD406"})
 # Entries quarantined for these are not stored as their trainer stores entries: never copied.

@@ -1,4 +1,4 @@
-"""`--format json`: the public contract of DESIGN.md §8."""
+"""`--format json`: a public contract (README, "JSON report")."""
 
 from __future__ import annotations
 

@@ -35,10 +35,11 @@ def _testcase(path: str, findings: list[Finding], cwd: str | None) -> ET.Element
     for f in findings:
         failure = ET.SubElement(case, "failure", type=f.code,
                                 message=xml_text(f"{f.code} {f.name}: {f.message}"))
-        failure.text = xml_text(
-            f"{f.code} {f.name} ({f.severity}) in {shown}\n{f.message}\n"
-            f"details: {json.dumps(jsonable(f.details), ensure_ascii=False)}\n"
-            f"fix: {f.fix or 'manual'}; `cachedoctor explain {f.code}` says more")
+        # one line each, escaped one by one: the newlines between them are the body's own
+        failure.text = "\n".join(xml_text(part) for part in (
+            f"{f.code} {f.name} ({f.severity}) in {shown}", f.message,
+            f"details: {json.dumps(jsonable(f.details), ensure_ascii=False)}",
+            f"fix: {f.fix or 'manual'}; `cachedoctor explain {f.code}` says more"))
     return case
 
 

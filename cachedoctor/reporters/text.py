@@ -6,8 +6,8 @@ On a terminal, many findings of one rule in one dataset collapse into one row wi
 
 from __future__ import annotations
 
-import itertools
 import os
+import re
 import shlex
 from typing import TextIO
 
@@ -56,11 +56,25 @@ def brief(report: Report, limit: int = 10, cwd: str | None = None) -> str:
     return "\n".join([*lines, hint] if hint else lines)
 
 
+# What differs between findings that say the same thing of different files: numbers, sizes,
+# hashes and file names (any word with a digit, a word with an extension) and quoted values.
+# (a quote only where it opens a word: "image's" is no quote)
+VARYING = re.compile(r"""(?<!\w)'[^']*'|"[^"]*"|\S*\d\S*|\S+\.[A-Za-z]\w{0,4}\b""")
+
+
+def gist(message: str) -> str:
+    """The message with what varies from file to file taken out: two findings with one gist
+    say the same thing, and may share a row."""
+    return VARYING.sub("#", message)
+
+
 def _groups(report: Report, verbose: bool) -> list[list[Finding]]:
     if verbose:
         return [[f] for f in report.findings]
-    key = lambda f: (f.dataset or "", f.code)  # noqa: E731
-    return [list(g) for _, g in itertools.groupby(report.findings, key)]
+    groups: dict[tuple[str, str, str], list[Finding]] = {}
+    for f in report.findings:
+        groups.setdefault((f.dataset or "", f.code, gist(f.message)), []).append(f)
+    return list(groups.values())
 
 
 def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:

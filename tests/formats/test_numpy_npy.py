@@ -106,12 +106,13 @@ def test_non_canonical_headers_are_read_as_numpy_reads_them(tmp_path, header):
      "no Python literal"),
     ("{'descr': '<f4', 'fortran_order': False, 'shape': (3,)", "no Python literal"),
 ])
-def test_bad_headers_are_errors(tmp_path, header, phrase):
+def test_bad_headers_are_errors(header, phrase):
     text = header.encode() + b"\n"
     blob = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + b"\0" * 12
-    (tmp_path / "h.npy").write_bytes(blob)
+    # numpy refuses each (from a stream: from a real file numpy < 2 reads a negative count as
+    # "all of it" through fromfile and loads the (-3,) one)
     with pytest.raises(Exception):  # noqa: B017 (ValueError, SyntaxError or tokenize's error)
-        np.load(tmp_path / "h.npy")
+        np.load(io.BytesIO(blob))
     meta = read_bytes(blob, "h.npy")
     assert meta.errors and phrase in meta.errors[0], meta.errors
 

@@ -56,7 +56,12 @@ def torch_refuses(module: str, name: str) -> bool:
 
 
 def test_allow_list_is_torchs():
-    assert set(ALLOWED_GLOBALS) == set(torch_unpickler._get_allowed_globals())
+    """The table mirrors torch 2.13's allow-list; an older torch allows fewer globals (2.4.1: no
+    float8_e8m0fnu, no _codecs.encode), and none that the table lacks."""
+    torchs = set(torch_unpickler._get_allowed_globals())
+    assert torchs <= set(ALLOWED_GLOBALS), torchs - set(ALLOWED_GLOBALS)
+    if torch.__version__.split("+")[0] == "2.13.0":
+        assert set(ALLOWED_GLOBALS) == torchs
 
 
 @pytest.mark.parametrize("full", sorted(torch_unpickler._get_allowed_globals()))

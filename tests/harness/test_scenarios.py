@@ -233,7 +233,7 @@ def test_dir_overlap_separate_dirs_train(run) -> None:
 
 @pytest.mark.parametrize("name", ["embed-write-race", "clear-each-epoch"])
 def test_the_races_need_several_ranks(name: str, tmp_path: Path) -> None:
-    """"Fine on one GPU" (field notes #1, #2): with one rank nobody writes or deletes another's files."""
+    """"Fine on one GPU" (docs/incidents.md, #1 and #2): with one rank nobody writes or deletes another's files."""
     result = run_scenario(name, "reproduce", ranks=1, device="cpu", workdir=tmp_path, keep=False)
     assert not result.reproduced and result.failure is None, result.details
     assert result.trained and not result.codes

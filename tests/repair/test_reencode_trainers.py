@@ -221,8 +221,8 @@ def test_reencode_without_an_encoder_is_a_usage_error(tmp_path: Path) -> None:
 
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        "cachedoctor: error: --reencode needs --encoder: reference (the test harness's stand-in "
-        "VAE), module:callable, or diffusers:PATH"]
+        "cachedoctor: error: --reencode needs --encoder: diffusers:PATH (a local diffusers VAE), "
+        "module:callable (your encoder), or reference (the test harness's stand-in: never on a real cache)"]
     assert tree_digest(project.root) == before
 
 

@@ -1,4 +1,4 @@
-"""The scenarios, one per incident of field-notes.md, registered in one plain table.
+"""The scenarios, one per incident of docs/incidents.md, registered in one plain table.
 
 A scenario module holds `NAME`, `SUMMARY`, `INCIDENT`, `EXPECTED` (the codes `scan` must report
 on what its buggy mode leaves), `ATTEMPTS` (how many launches a race may take), and:

@@ -1,12 +1,13 @@
-"""clear-each-epoch: `vae_cache_clear_each_epoch` with several ranks (field notes, incident 2).
+"""clear-each-epoch: `vae_cache_clear_each_epoch` with several ranks (docs/incidents.md, incident 2).
 
 At each epoch boundary SimpleTuner's main process recomputes the buckets, and then every rank
-clears the whole VAE cache and re-encodes its own share (research/simpletuner.md §5). Without
-synchronisation around the clearing, a rank deletes latents another rank has just re-encoded,
-and that rank's next batch fails in `retrieve_from_cache`: "Some images were not correctly
-cached during the VAE Cache operations" (SimpleTuner #848; 8x H100, fine on one GPU). Here the
-main process's bucket refresh (it re-reads every image) is what makes it clear last, after the
-other rank has re-encoded and read its first batch. Each epoch boundary is one attempt.
+clears the whole VAE cache and re-encodes its own share (SimpleTuner's
+simpletuner/helpers/caching/vae.py). Without synchronisation around the clearing, a rank deletes
+latents another rank has just re-encoded, and that rank's next batch fails in
+`retrieve_from_cache`: "Some images were not correctly cached during the VAE Cache operations"
+(SimpleTuner #848; 8x H100, fine on one GPU). Here the main process's bucket refresh (it
+re-reads every image) is what makes it clear last, after the other rank has re-encoded and read
+its first batch. Each epoch boundary is one attempt.
 
 verify: the same load with `vae_cache_clear_each_epoch: false`, SimpleTuner's advice.
 """
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 NAME = "clear-each-epoch"
 SUMMARY = "each rank clears and re-encodes the VAE cache every epoch: ranks delete each other's latents (CD403, CD404)"
-INCIDENT = "field notes #2, SimpleTuner #848"
+INCIDENT = "docs/incidents.md #2, SimpleTuner #848"
 EXPECTED = ("CD403", "CD404")
 ATTEMPTS = 1
 BOUNDARIES = 3  # epoch boundaries (attempts) before the buggy run counts as not reproduced

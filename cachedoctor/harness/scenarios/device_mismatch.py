@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 NAME = "device-mismatch"
 SUMMARY = "latents cached on the training device beside CPU tensors; validation mixes them (CD501, CD502)"
-INCIDENT = "field notes #3, OneTrainer #459"
+INCIDENT = "docs/incidents.md #3, OneTrainer #459"
 EXPECTED = ("CD501", "CD502")
 ATTEMPTS = 1
 # "... on a CUDA device but torch.cuda.is_available() is False", or "... on CUDA device 1 but

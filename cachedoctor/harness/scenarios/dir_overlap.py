@@ -1,4 +1,4 @@
-"""dir-overlap: the image dir is the VAE cache dir (field notes, incident 5).
+"""dir-overlap: the image dir is the VAE cache dir (docs/incidents.md, incident 5).
 
 With `cache_dir_vae` equal to `instance_data_dir`, the first run writes its latents among the
 images and trains fine. At the next start (a resume) the trainer discovers the folder again
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 NAME = "dir-overlap"
 SUMMARY = "the image dir is the VAE cache dir: cache files become samples, a batch mixes shapes (CD401)"
-INCIDENT = "field notes #5, SimpleTuner #59, #643, #788"
+INCIDENT = "docs/incidents.md #5, SimpleTuner #59, #643, #788"
 EXPECTED = ("CD401",)
 ATTEMPTS = 1
 SIGNATURES = ("stack expects each tensor to be equal size", "latent shape mismatch")

@@ -1,4 +1,4 @@
-"""embed-write-race: ranks write one text-embedding cache with no lock (field notes, incident 1).
+"""embed-write-race: ranks write one text-embedding cache with no lock (docs/incidents.md, incident 1).
 
 SimpleTuner #1147 (8 GPUs, ~25 samples, so every rank meets every prompt): the writer thread
 `batch_write_embeddings` died at start-up with "UnboundLocalError: cannot access local variable
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 NAME = "embed-write-race"
 SUMMARY = "ranks write shared text embeds with no lock and no rename: readers see half-written archives (CD101)"
-INCIDENT = "field notes #1, SimpleTuner #1147, PR #1160"
+INCIDENT = "docs/incidents.md #1, SimpleTuner #1147, PR #1160"
 EXPECTED = ("CD101",)
 ATTEMPTS = 3
 ROUNDS = 3

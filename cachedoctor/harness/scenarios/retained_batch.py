@@ -1,4 +1,4 @@
-"""retained-batch: every VAE cache file stores the whole encoded batch (field notes, incident 4).
+"""retained-batch: every VAE cache file stores the whole encoded batch (docs/incidents.md, incident 4).
 
 SimpleTuner #550: the VAE stage saved `latents[i]`, a view, and torch.save writes a view's whole
 storage, so with a VAE batch of B each file is B times too large (7 of 8 files ~7x in the
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 NAME = "retained-batch"
 SUMMARY = "VAE latents saved as views of their batch: each file holds the whole batch (CD201)"
-INCIDENT = "field notes #4, SimpleTuner #550"
+INCIDENT = "docs/incidents.md #4, SimpleTuner #550"
 EXPECTED = ("CD201",)
 ATTEMPTS = 1
 OVERSIZE = 1.5  # CD201's default min-ratio

@@ -1,0 +1,54 @@
+"""What the command line shows around its commands: usage lines as the README writes them
+(`cachedoctor scan [OPTIONS] TARGET...`, where typer writes `{targets}...`), and a usage error
+as one line on stderr (typer prints three: the usage, a hint, the error)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from typer.core import TyperArgument, TyperCommand
+
+EXIT_USAGE = 2
+
+
+class Command(TyperCommand):
+    """A command whose usage line names its arguments by their metavars, as given."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar or (param.name or "").upper()
+                if param.nargs != 1 and not name.endswith("..."):
+                    name += "..."
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
+def _click_class(name: str) -> type[Exception]:
+    """click's exception class `name`: typer vendors click from 0.22 on, and re-exports only
+    BadParameter, so the class is found through its bases (the same on every version)."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+def run(app: typer.Typer) -> int:
+    """Run `app` on sys.argv and return its exit code; a usage error is one line on stderr."""
+    usage_error, click_exception = _click_class("UsageError"), _click_class("ClickException")
+    try:
+        code = app(standalone_mode=False)
+    except usage_error as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `cachedoctor`: its help, as click shows it
+            exc.show()
+            return exc.exit_code
+        ctx = getattr(exc, "ctx", None)
+        hint = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        typer.echo(f"cachedoctor: error: {exc.format_message().rstrip('.')}{hint}", err=True)
+        return EXIT_USAGE
+    except click_exception as exc:
+        typer.echo(f"cachedoctor: error: {exc.format_message()}", err=True)
+        return exc.exit_code
+    except typer.Abort:
+        typer.echo("cachedoctor: aborted", err=True)
+        return 1
+    return code if isinstance(code, int) else 0
