@@ -6,7 +6,9 @@ newline. numpy writes one exact form of that dict, which a regex reads in a micr
 anything else goes through `ast.literal_eval` (never eval), as numpy's own `safe_eval` does.
 The checks are the ones `np.load` makes, plus header size + numel × itemsize == data size.
 An object array (`|O`) is a pickle that np.load runs only with allow_pickle=True: its globals
-are listed by the restricted unpickler and it is never executed.
+are listed by the restricted unpickler and it is never executed. The globals numpy itself writes
+for one (its array reconstruction) are not unsafe; every other one outside torch's weights-only
+set is. Either way a trainer's `np.load` (allow_pickle=False) refuses the array: an error.
 """
 
 from __future__ import annotations
@@ -330,19 +332,31 @@ def dtype_notes(header: NpyHeader, what: str) -> list[str]:
     return []
 
 
-def pickle_globals(data: bytes, offset: int) -> tuple[tuple[str, ...], str | None]:
-    """Globals the object array's pickle at `offset` names, and why it is broken if it is.
+# What np.save writes into an object array's pickle itself (numpy 1.x and 2.x module names)
+NUMPY_OWN_GLOBALS = frozenset({
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray", "numpy.dtype",
+})
 
-    All of them are unsafe: np.load refuses any object array without allow_pickle=True.
+
+def pickle_globals(data: bytes, offset: int) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
+    """Globals the object array's pickle at `offset` names, the unsafe ones among them, and why
+    it is broken if it is.
+
     `data` need not hold more than PICKLE_READ bytes past `offset`: the unpickler stops there.
     """
     try:
         found = load_restricted(data, offset)
+        named, unsafe, error = found.globals, found.unsafe_globals, None
     except UnpickleError as exc:  # still report what a pickle named before it broke
-        return tuple(dict.fromkeys((*exc.globals, *exc.unsafe_globals))), (
-            f"object array pickle: {exc}"
-        )
-    return tuple(dict.fromkeys((*found.globals, *found.unsafe_globals))), None
+        named, unsafe, error = exc.globals, exc.unsafe_globals, f"object array pickle: {exc}"
+    unsafe = tuple(dict.fromkeys(g for g in unsafe if g not in NUMPY_OWN_GLOBALS))
+    return tuple(dict.fromkeys((*named, *unsafe))), unsafe, error
+
+
+def object_array_error(what: str) -> str:
+    return (f"{what} is an object array: np.load refuses it unless allow_pickle=True, as trainers "
+            "load their caches")
 
 
 def read(src: Source, path: str, deep: bool) -> FileMeta:
@@ -357,9 +371,10 @@ def read(src: Source, path: str, deep: bool) -> FileMeta:
         return FileMeta(path, src.size, NPY, errors=(f"npy header: {exc}",))
     data_bytes = src.size - header.data_offset
     if header.dtype.has_object:
-        globals_, error = pickle_globals(src.pread(header.data_offset, PICKLE_READ), 0)
+        globals_, unsafe, error = pickle_globals(src.pread(header.data_offset, PICKLE_READ), 0)
+        error = error or object_array_error("the array")
     else:
-        globals_, error = (), size_error(header, data_bytes)
+        globals_, unsafe, error = (), (), size_error(header, data_bytes)
     nonfinite = ()
     if deep and not error and header.dtype.name in FLOAT_DTYPES:
         count = count_nonfinite_at(
@@ -374,7 +389,7 @@ def read(src: Source, path: str, deep: bool) -> FileMeta:
         root="tensor",
         tensors=(tensor_meta(header, (), os.path.basename(path), storage),),
         globals=globals_,
-        unsafe_globals=globals_,
+        unsafe_globals=unsafe,
         errors=(error,) if error else (),
         nonfinite=nonfinite,
         notes=tuple(dtype_notes(header, "the array")),

@@ -32,13 +32,14 @@ from cachedoctor.formats.zipdir import (
 class _Member:
     """What one member contributes to the file's FileMeta."""
 
-    __slots__ = ("crc_error", "deep_error", "error", "globals", "nonfinite", "notes", "tensor")
+    __slots__ = ("crc_error", "deep_error", "error", "globals", "nonfinite", "notes", "tensor", "unsafe")
 
     def __init__(self) -> None:
         self.tensor: TensorMeta | None = None
         self.error: str | None = None
         self.notes: list[str] = []
         self.globals: tuple[str, ...] = ()
+        self.unsafe: tuple[str, ...] = ()
         self.crc_error: str | None = None
         self.deep_error: str | None = None  # --deep: it inflates past its size, or too far
         self.nonfinite = 0  # NaN/Inf among the tensor's values (--deep)
@@ -48,6 +49,7 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     """Every `<key>.npy` member of the archive whose central directory is `directory`."""
     tensors, errors, notes, crc_errors, nonfinite = [], [], [], [], []
     globals_: dict[str, None] = {}
+    unsafe_: dict[str, None] = {}
     seen: set[str] = set()
     for entry in directory.entries:
         if entry.name in seen:
@@ -56,6 +58,7 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
         member = _read_member(src, entry, deep)
         notes += member.notes
         globals_.update(dict.fromkeys(member.globals))
+        unsafe_.update(dict.fromkeys(member.unsafe))
         if member.error:
             errors.append(member.error)
         if member.deep_error:
@@ -73,15 +76,15 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     scan_members(src, [e for e in directory.entries if not e.name.endswith(".npy")], found)
     errors += found.errors
     globals_.update(found.unsafe)
-    named = tuple(globals_)
+    unsafe_.update(found.unsafe)
     return FileMeta(
         path,
         src.size,
         NPZ,
         root="dict",
         tensors=tuple(tensors),
-        globals=named,
-        unsafe_globals=named,
+        globals=tuple(globals_),
+        unsafe_globals=tuple(unsafe_),
         errors=tuple(errors),
         crc_errors=tuple(crc_errors),
         nonfinite=tuple(nonfinite),
@@ -109,7 +112,8 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
         return member
     size = entry.size - header.data_offset
     if header.dtype.has_object:
-        member.globals, error = npy.pickle_globals(data, header.data_offset)
+        member.globals, member.unsafe, error = npy.pickle_globals(data, header.data_offset)
+        error = error or npy.object_array_error(f"'{key}'")
     else:
         error = npy.size_error(header, size)
     if deep:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -235,9 +236,10 @@ def _pickle_with(shape, stride) -> bytes:
 
 
 @pytest.mark.parametrize("shape, stride, shown", [
-    ((2,), (10**400,), "stride a 401-digit number"),
-    ((10**30,), (1,), "size a 31-digit number"),
-    ((2**40,) * 3, (1, 1, 1), "multiplying to more than 2**63"),
+    # the unpickler or torch_zip, whichever meets the number first, names it (merged readers)
+    ((2,), (10**400,), r"stride (holds )?a 401-digit number"),
+    ((10**30,), (1,), r"(size|shape holds) a 31-digit number"),
+    ((2**40,) * 3, (1, 1, 1), r"multiplying to more than 2\*\*63"),
 ])
 def test_numbers_beyond_int64_are_cd101_with_short_messages(tmp_path, shape, stride, shown):
     """A 10**400 stride used to stop the whole scan (internal error: OverflowError)."""
@@ -250,7 +252,7 @@ def test_numbers_beyond_int64_are_cd101_with_short_messages(tmp_path, shape, str
     result = run_cli("scan", str(tmp_path))
     assert result.returncode == 1, result.stdout + result.stderr  # findings, not a crash
     line = next(x for x in result.stdout.splitlines() if "huge.pt" in x)
-    assert "CD101 error" in line and shown in line and len(line) < 500
+    assert "CD101 error" in line and re.search(shown, line) and len(line) < 500
     assert "evil.pt: CD105 error" in result.stdout
 
 
