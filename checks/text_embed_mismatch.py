@@ -52,17 +52,20 @@ def describe(theirs: tuple, ours: tuple) -> str:
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    counts: Counter = Counter()
+    # per architecture, where the file names say one (musubi-tuner keeps each in its own files)
+    counts: dict[str | None, Counter] = {}
     for g, n in view.tally().items():
         if g.role == TEXT and g.signature:
-            counts[normalized(g.signature)] += n
-    if len(counts) < 2:
+            counts.setdefault(g.family, Counter())[normalized(g.signature)] += n
+    mixed = {f: c for f, c in counts.items() if len(c) > 1}
+    if not mixed:
         return
-    major, n = counts.most_common(1)[0]
-    total = sum(counts.values())
     for s in view:
-        if s.role != TEXT or not s.signature:
+        if s.role != TEXT or not s.signature or s.family not in mixed:
             continue
+        family = mixed[s.family]
+        major, n = family.most_common(1)[0]
+        total = sum(family.values())
         mine = normalized(s.signature)
         if mine == major:
             continue
