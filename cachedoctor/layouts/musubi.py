@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
@@ -329,12 +330,17 @@ def header_family(name: str, meta: FileMeta) -> str | None:
     return match["arch"]
 
 
+def _names(path: str) -> list[str]:
+    # os.listdir, not common.listdir: that one keeps only config and image names
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def media_dir(path: str) -> bool:
     """A folder holding musubi latents beside images or videos (no cache_directory set)."""
-    try:
-        found = os.listdir(path)
-    except OSError:
-        return False
+    found = _names(path)
     latents = any(n.endswith(".safetensors") and (IMAGE_LATENT.match(n) or VIDEO_LATENT.match(n))
                   and n.rsplit("_", 1)[-1][:-12] in ARCHITECTURES for n in found)
     return latents and any(n.endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) for n in found)
@@ -430,9 +436,18 @@ class _Entries(Entries):
     def _rebuild(self, path: str) -> str:
         name = os.path.basename(path)
         match = TEXT_ENTRY.match(name) or IMAGE_LATENT.match(name) or VIDEO_LATENT.match(name)
-        arch = match["arch"] if match else "<arch>"
+        arch = match["arch"] if match else self.once("arch", self._neighbours)
         what = "text_encoder_outputs" if TEXT_ENTRY.match(name) else "latents"
         model = "the text encoder arguments of your run" if what != "latents" else "--vae <VAE>"
-        return (f"musubi-tuner rebuilds it: python {script(arch, what)} --dataset_config "
+        command = f"python {script(arch, what)}" if arch in ARCHITECTURES else (
+            f"the {what} caching script of the model (cache_{what}.py, wan_cache_{what}.py, ...)")
+        return (f"musubi-tuner rebuilds it: {command} --dataset_config "
                 f"{self.naming.config} {model} --skip_existing (only the missing entries are "
                 "written)")
+
+    def _neighbours(self) -> str | None:
+        """The architecture most latents of the cache directory have (a missing entry's)."""
+        pattern = VIDEO_LATENT if self.naming.video else IMAGE_LATENT
+        found = Counter(m["arch"] for m in map(pattern.match, _names(self.naming.cache))
+                        if m is not None)
+        return found.most_common(1)[0][0] if found else None

@@ -1,0 +1,176 @@
+"""musubi-tuner: its dataset TOML read as musubi reads it, its caches as cache_io.py writes them
+(real safetensors.torch.save_file with musubi's keys and header metadata), and the rules its
+layout makes possible, each firing on its defect and silent on the clean project."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.fixtures.projects import kohya, musubi
+from cachedoctor.layouts import resolve
+from cachedoctor.layouts.musubi import bucket_resolutions, select_bucket
+
+from conftest import by_code, invoke, scan_paths
+
+SEVERE = 2  # warning and above
+
+
+def severe(report) -> list:
+    return [(f.code, f.path, f.message) for f in report.findings if f.severity >= SEVERE]
+
+
+@pytest.fixture(scope="module")
+def clean_project(tmp_path_factory: pytest.TempPathFactory) -> musubi.Project:
+    return musubi.build(tmp_path_factory.mktemp("musubi") / "m")
+
+
+def test_layout_reads_image_and_video_datasets(clean_project) -> None:
+    root = clean_project.root
+    (layout,) = resolve([str(clean_project.config)])
+    assert layout.trainer == "musubi" and layout.problems == ()
+    images, kontext, videos = layout.datasets
+    assert images.image_dirs == (str(root / "images"),)
+    assert images.cache_dirs == (str(root / "cache" / "qwen"),)
+    assert not images.caches_beside_images
+    # no cache_directory: musubi caches beside the images (ImageDataset.__init__)
+    assert kontext.cache_dirs == () and kontext.caches_beside_images
+    assert kontext.latent_cache_dir == str(root / "kontext")
+    assert videos.options["target_frames"] == (1, 9)
+    assert images.options["captions"]["img_100"] == "a photo, bucket 1, number 0"
+
+
+def test_clean_project_scans_clean_every_way(clean_project) -> None:
+    root = clean_project.root
+    for target in (clean_project.config, root):
+        report = scan_paths(target)
+        assert report.trainers == ("musubi",), target
+        assert severe(report) == [], target
+    # bare dirs: the caches of several architectures side by side in sub-folders, each cache
+    # dir, and a media dir with its caches beside it
+    for target in (root / "cache", root / "cache" / "qwen", root / "cache" / "hv",
+                   root / "kontext"):
+        report = scan_paths(target)
+        assert report.trainers == ("bare",), target
+        assert severe(report) == [], target
+
+
+def test_kohya_dataset_tomls_stay_kohya(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "k")
+    (layout,) = resolve([str(project.root / "dataset.toml")])
+    assert layout.trainer == "kohya"
+
+
+@pytest.mark.parametrize("defect", musubi.DEFECTS)
+def test_each_defect_fires_where_expected(defect: str, tmp_path: Path) -> None:
+    project = musubi.build(tmp_path / "m", defects=[defect])
+    report = scan_paths(project.config)
+    found = sorted((f.path, f.dataset) for f in by_code(report, defect))
+    assert found == sorted(project.expected[defect])
+
+
+def test_all_defects_at_once(tmp_path: Path) -> None:
+    project = musubi.build(tmp_path / "m", defects=musubi.DEFECTS)
+    report = scan_paths(project.config)
+    for code, expected in project.expected.items():
+        assert sorted((f.path, f.dataset) for f in by_code(report, code)) == sorted(expected), code
+
+
+# -- buckets (bucket.BucketSelector) -------------------------------------------------------------
+
+
+def test_bucket_resolutions_for_128_step_16() -> None:
+    """BucketSelector((128, 128), architecture="qi").bucket_resolutions, worked by hand: widths
+    64..128 step 16, each with area // w rounded down to 16."""
+    assert bucket_resolutions((128, 128), 16) == (
+        (64, 256), (80, 192), (96, 160), (112, 144), (128, 128), (144, 112), (160, 96),
+        (192, 80), (256, 64))
+
+
+@pytest.mark.parametrize(("size", "enabled", "no_upscale", "bucket"), [
+    ((192, 128), True, False, (160, 96)),  # aspect 1.5: 160/96 is nearer than 144/112
+    ((128, 128), True, False, (128, 128)),
+    ((1000, 200), True, False, (256, 64)),  # beyond the widest bucket: the widest
+    ((100, 70), True, True, (96, 64)),  # no upscale, smaller than the area: rounded down
+    ((192, 128), False, False, (128, 128)),  # buckets off: the resolution
+])
+def test_select_bucket(size, enabled, no_upscale, bucket) -> None:
+    assert select_bucket(size, (128, 128), enabled, no_upscale, 16) == bucket
+
+
+# -- rules beyond the project fixture -----------------------------------------------------------
+
+
+def test_video_latent_with_wrong_frame_axis_and_header(tmp_path: Path) -> None:
+    """A 9-frame clip whose latent has 2 latent frames (9 frames make 3) and whose header says
+    13: CD308 names both; the clean clips beside it stay silent."""
+    import torch
+
+    project = musubi.build(tmp_path / "m")
+    cache = project.root / "cache" / "hv"
+    name = musubi.latent_name("clip_0", 160, 96, "hv", "_00000-009")
+    latent = torch.zeros(16, 2, 12, 20, dtype=torch.bfloat16)
+    musubi.save_latents(cache / name, {"latents_2x12x20_bfloat16": latent}, "hunyuan_video",
+                        160, 96, frame_count=13)
+    (finding,) = by_code(scan_paths(project.config), "CD308")
+    assert finding.path == str(cache / name)
+    assert "frame_count 13" in finding.message and "2 latent frames" in finding.message
+
+
+def test_two_sizes_of_one_latent_key_are_duplicates(tmp_path: Path) -> None:
+    """The loader drops `_<F>x<H>x<W>` as well as the dtype: two latents of one file collide."""
+    import torch
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    path = cache / musubi.latent_name("a", 128, 128, "qi")
+    musubi.save_latents(path, {"latents_1x16x16_bfloat16": torch.zeros(16, 1, 16, 16,
+                                                                         dtype=torch.bfloat16),
+                               "latents_1x12x12_bfloat16": torch.zeros(16, 1, 12, 12,
+                                                                         dtype=torch.bfloat16)},
+                        "qwen_image", 128, 128)
+    (finding,) = by_code(scan_paths(cache), "CD307")
+    assert finding.details["keys"] == {"latents": ["latents_1x12x12_bfloat16",
+                                                   "latents_1x16x16_bfloat16"]}
+
+
+def test_declared_keys_need_musubis_header(tmp_path: Path) -> None:
+    """The same lying key in a file without musubi's header metadata is no CD306: the key
+    scheme is musubi's, other writers name keys as they like."""
+    import torch
+    from safetensors.torch import save_file
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    save_file({"latents_1x12x20_bfloat16": torch.zeros(16, 1, 16, 16)}, str(cache / "a.safetensors"))
+    assert by_code(scan_paths(cache), "CD306") == []
+
+
+def test_mixed_architectures_only_within_one_directory(clean_project, tmp_path: Path) -> None:
+    """Two architectures in sibling cache dirs: fine; moved into one dir: CD309 on the few."""
+    root = tmp_path / "m"
+    shutil.copytree(clean_project.root, root)
+    assert by_code(scan_paths(root / "cache"), "CD309") == []
+    for path in (root / "cache" / "hv").iterdir():
+        path.rename(root / "cache" / "qwen" / path.name)
+    found = by_code(scan_paths(root / "cache" / "qwen"), "CD309")
+    assert sorted(Path(f.path).name for f in found) == sorted(
+        p.name for p in (root / "cache" / "qwen").iterdir() if "_hv" in p.name)
+
+
+# -- fix ----------------------------------------------------------------------------------------
+
+
+def test_fix_plan_quarantines_and_names_musubis_caching_script(tmp_path: Path) -> None:
+    project = musubi.build(tmp_path / "m", defects=["CD302", "CD404"])
+    result = invoke("fix", str(project.config), "--dry-run", "--reencode", "--encoder",
+                    "reference")
+    assert result.exit_code == 0, result.output
+    assert "quarantine" in result.output
+    latent = "img_002_0128x0128_qi.safetensors"
+    assert latent in result.output
+    assert ("musubi-tuner rebuilds it: python src/musubi_tuner/qwen_image_cache_latents.py "
+            f"--dataset_config {project.config} --vae <VAE> --skip_existing") in result.output
+    assert (project.root / "cache" / "qwen" / latent).exists()  # a dry run changes nothing
