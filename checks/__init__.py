@@ -38,6 +38,7 @@ from cachedoctor.checks import (
     text_embed_mismatch,
     unreadable_archive,
     unsafe_pickle,
+    zeroed_values,
 )
 from cachedoctor.rule import Rule
 
@@ -53,6 +54,7 @@ RULES: dict[str, Rule] = {
         unsafe_pickle,
         non_finite_values,
         foreign_file,
+        zeroed_values,
         retained_batch_storage,
         bucket_shape_mismatch,
         latent_size_mismatch,

@@ -45,7 +45,7 @@ def test_layout_reads_image_and_video_datasets(clean_project) -> None:
 def test_clean_project_scans_clean_every_way(clean_project) -> None:
     root = clean_project.root
     for target in (clean_project.config, root):
-        report = scan_paths(target)
+        report = scan_paths(target, deep=True)
         assert report.trainers == ("musubi",), target
         assert severe(report) == [], target
     # bare dirs: the caches of several architectures side by side in sub-folders, each cache
@@ -66,14 +66,14 @@ def test_kohya_dataset_tomls_stay_kohya(tmp_path: Path) -> None:
 @pytest.mark.parametrize("defect", musubi.DEFECTS)
 def test_each_defect_fires_where_expected(defect: str, tmp_path: Path) -> None:
     project = musubi.build(tmp_path / "m", defects=[defect])
-    report = scan_paths(project.config)
+    report = scan_paths(project.config, deep=True)
     found = sorted((f.path, f.dataset) for f in by_code(report, defect))
     assert found == sorted(project.expected[defect])
 
 
 def test_all_defects_at_once(tmp_path: Path) -> None:
     project = musubi.build(tmp_path / "m", defects=musubi.DEFECTS)
-    report = scan_paths(project.config)
+    report = scan_paths(project.config, deep=True)
     for code, expected in project.expected.items():
         assert sorted((f.path, f.dataset) for f in by_code(report, code)) == sorted(expected), code
 
@@ -174,3 +174,23 @@ def test_fix_plan_quarantines_and_names_musubis_caching_script(tmp_path: Path) -
     assert ("musubi-tuner rebuilds it: python src/musubi_tuner/qwen_image_cache_latents.py "
             f"--dataset_config {project.config} --vae <VAE> --skip_existing") in result.output
     assert (project.root / "cache" / "qwen" / latent).exists()  # a dry run changes nothing
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn",
+                                   "float8_e5m2", "complex64"])
+def test_count_values_counts_zeros_of_either_sign_and_nonfinite(dtype: str, tmp_path: Path) -> None:
+    """count_values_at over the bytes torch writes: 0.0 and -0.0 are zeros, NaN is not."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cachedoctor.formats import read_path
+
+    values = torch.tensor([1.0, 0.0, -0.0, 2.0, 0.0, -3.0, 0.5, 0.25])
+    if not dtype.startswith("float8"):
+        values[3] = float("nan")
+    tensor = values.to(getattr(torch, dtype))
+    save_file({"latents_1x1x8_x": tensor.reshape(1, 1, 1, 8)}, str(tmp_path / "a.safetensors"))
+    meta = read_path(str(tmp_path / "a.safetensors"), deep=True)
+    assert meta.zeros == ((("latents_1x1x8_x",), 3, 8),)
+    assert meta.nonfinite == (() if dtype.startswith("float8") else
+                              ((("latents_1x1x8_x",), 1),))
