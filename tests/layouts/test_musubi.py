@@ -194,3 +194,30 @@ def test_count_values_counts_zeros_of_either_sign_and_nonfinite(dtype: str, tmp_
     assert meta.zeros == ((("latents_1x1x8_x",), 3, 8),)
     assert meta.nonfinite == (() if dtype.startswith("float8") else
                               ((("latents_1x1x8_x",), 1),))
+
+
+# -- 5-D video latents ([1, C, F, H, W], a video batch of one) ----------------------------------
+
+
+def test_video_batches_of_one_in_the_shape_rules(tmp_path: Path) -> None:
+    """torch.save of a video latent batch sliced to one item: a 4-channel VAE among 16-channel
+    ones is CD303, another frame count in the same bucket folder CD301, and the slice of a
+    batch that keeps the whole batch's storage CD201."""
+    import torch
+
+    from cachedoctor.fixtures.latents import save_latent
+
+    bucket = tmp_path / "cache" / "160x96"
+    bucket.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        save_latent(bucket / f"v{i}.pt", torch.randn(1, 16, 3, 12, 20, generator=g))
+    save_latent(bucket / "other_vae.pt", torch.randn(1, 4, 3, 12, 20, generator=g))
+    save_latent(bucket / "longer.pt", torch.randn(1, 16, 4, 12, 20, generator=g))
+    batch = torch.randn(4, 16, 3, 12, 20, generator=g)
+    save_latent(bucket / "retained.pt", batch[1:2], clone=False)
+    report = scan_paths(tmp_path / "cache")
+    assert [Path(f.path).name for f in by_code(report, "CD303")] == ["other_vae.pt"]
+    assert sorted(Path(f.path).name for f in by_code(report, "CD301")) == ["longer.pt",
+                                                                           "other_vae.pt"]
+    assert [Path(f.path).name for f in by_code(report, "CD201")] == ["retained.pt"]
