@@ -23,6 +23,7 @@ the dataset's bucket settings; videos: bucketing is always on when caching).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -116,7 +117,8 @@ def load(config: ConfigFile) -> Layout:
     problems = Problems()
     root = os.path.dirname(config.path)
     data = config.data
-    general = data.get("general") if isinstance(data.get("general"), dict) else {}
+    general = _general(config, data.get("general") if isinstance(data.get("general"), dict)
+                       else {}, problems)
     tables = data.get("datasets", [])
     found: list[tuple[dict, tuple]] = []
     if not isinstance(tables, list):
@@ -149,12 +151,37 @@ def _media(table: dict) -> tuple[bool, str | None, str | None]:
             jsonl if isinstance(jsonl, str) else None)
 
 
-def _setting(config: ConfigFile, problems: Problems, where: tuple, table: dict, general: dict,
-             key: str, kind: type | tuple[type, ...], ident: str) -> object:
+ASCENDABLE = {"resolution": (int, list), "caption_extension": str, "enable_bucket": bool,
+              "bucket_no_upscale": bool}  # config_utils.DATASET_ASCENDABLE_SCHEMA (those used)
+
+
+def _general(config: ConfigFile, general: dict, problems: Problems) -> dict:
+    """[general]'s values, checked once (each dataset falls back to them), else the defaults."""
+    out = {key: _checked(config, problems, ("general",), general, key, None)
+           for key in ASCENDABLE}
+    return {k: DEFAULTS.get(k) if v is None else v for k, v in out.items()}
+
+
+def _checked(config: ConfigFile, problems: Problems, where: tuple, table: dict, key: str,
+             ident: str | None) -> object:
+    """table[key] when it is what musubi accepts, else None (and a CD409 problem)."""
+    value = typed(config, problems, where, table, key, ASCENDABLE[key], None, ident)
+    if key == "resolution" and value is not None:
+        value = _resolution(value)
+        if value is None:
+            problems.invalid(config.origin(*where, key), "resolution is not a size such as 960 "
+                             f"or [960, 544] (at most {MAX_SIDE:,})", ident, key=key)
+    return value
+
+
+def _setting(config: ConfigFile, problems: Problems, where: tuple, table: dict,
+             general: dict, key: str, ident: str) -> object:
     """A dataset's value, else [general]'s (DATASET_ASCENDABLE_SCHEMA), else the default."""
     if key in table:
-        return typed(config, problems, where, table, key, kind, DEFAULTS.get(key), ident)
-    return typed(config, problems, ("general",), general, key, kind, DEFAULTS.get(key), ident)
+        value = _checked(config, problems, where, table, key, ident)
+        if value is not None:
+            return value
+    return general[key]
 
 
 def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tuple,
@@ -170,6 +197,9 @@ def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tupl
     if media is not None and not os.path.isdir(media):
         problems.missing(config.origin(*where, media_key), media_key, directory, media,
                          _reason(root), ident)
+    if media is None and jsonl is not None and not os.path.isfile(resolve(root, jsonl)):
+        problems.missing(config.origin(*where, media_key), media_key, jsonl,
+                         resolve(root, jsonl), _reason(root), ident)
     cache_value = typed(config, problems, where, table, "cache_directory", str, None, ident)
     if cache_value is None and media is None:
         problems.invalid(config.origin(*where), f"dataset {ident} names a jsonl file and no "
@@ -178,24 +208,17 @@ def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tupl
         return None
     cache = resolve(root, cache_value) if cache_value else media
     assert cache is not None
-    resolution = _resolution(_setting(config, problems, where, table, general, "resolution",
-                                      (int, list), ident))
-    if resolution is None:
-        problems.invalid(config.origin(*where, "resolution"), "resolution is not a size such "
-                         "as 960 or [960, 544]", ident, key="resolution")
-        resolution = DEFAULTS["resolution"]
-    caption_ext = _setting(config, problems, where, table, general, "caption_extension", str,
-                           ident)
+    resolution = _setting(config, problems, where, table, general, "resolution", ident)
+    caption_ext = _setting(config, problems, where, table, general, "caption_extension", ident)
     frames = typed(config, problems, where, table, "target_frames", list, [1], ident)
     targets = tuple(sorted({(f - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1
                             for f in frames if isinstance(f, int) and f > 0})) or (1,)
     extraction = typed(config, problems, where, table, "frame_extraction", str, "head", ident)
     naming = MusubiNaming(
         cache=cache, media=media, video=video, resolution=resolution,
-        enabled=bool(_setting(config, problems, where, table, general, "enable_bucket", bool,
-                              ident)),
+        enabled=bool(_setting(config, problems, where, table, general, "enable_bucket", ident)),
         no_upscale=bool(_setting(config, problems, where, table, general, "bucket_no_upscale",
-                                 bool, ident)),
+                                 ident)),
         config=config.path)
     beside = media is not None and os.path.realpath(cache) == os.path.realpath(media)
     captions = _captions(media, caption_ext, jsonl and resolve(root, jsonl), video)
@@ -215,11 +238,16 @@ def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tupl
         options=frozen(options), origins=frozen(origins), naming=naming)
 
 
+MAX_SIDE = 1 << 16  # a larger side is a typo, and its bucket list would take long to make
+
+
 def _resolution(value: object) -> tuple[int, int] | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value, value
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+    def side(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_SIDE
+
+    if side(value):
+        return value, value  # type: ignore[return-value]
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(side(v) for v in value):
         return value[0], value[1]
     return None
 
@@ -280,6 +308,7 @@ def _read_caption(path: str) -> str | None:
 # -- buckets (bucket.BucketSelector) -------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def bucket_resolutions(resolution: tuple[int, int], steps: int) -> tuple[tuple[int, int], ...]:
     """BucketSelector's buckets: widths from half the square side up, each with the height
     that keeps the area, both rounded down to the step."""

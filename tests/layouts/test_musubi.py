@@ -221,3 +221,51 @@ def test_video_batches_of_one_in_the_shape_rules(tmp_path: Path) -> None:
     assert sorted(Path(f.path).name for f in by_code(report, "CD301")) == ["longer.pt",
                                                                            "other_vae.pt"]
     assert [Path(f.path).name for f in by_code(report, "CD201")] == ["retained.pt"]
+
+
+# -- configs --------------------------------------------------------------------------------------
+
+
+def test_bad_values_are_findings_at_their_line(tmp_path: Path) -> None:
+    """[general]'s bad values are reported once (not once per dataset that inherits them)."""
+    (tmp_path / "dataset.toml").write_text(
+        '[general]\nresolution = [1000000000, 5]\ncaption_extension = 7\n\n'
+        '[[datasets]]\nvideo_directory = "v"\ntarget_frames = "many"\n\n'
+        '[[datasets]]\nimage_directory = "v"\n\n'
+        '[[datasets]]\nimage_jsonl_file = "x.jsonl"\n')
+    report = scan_paths(tmp_path)
+    assert report.trainers == ("musubi",)
+    found = sorted((f.code, f.details["line"], f.details["key"]) for f in report.findings)
+    assert found == [("CD408", 6, "datasets[0].video_directory"),
+                     ("CD408", 10, "datasets[1].image_directory"),
+                     ("CD408", 13, "datasets[2].image_jsonl_file"),
+                     ("CD409", 2, "resolution"),
+                     ("CD409", 3, "caption_extension"),
+                     ("CD409", 7, "target_frames"),
+                     ("CD409", 12, "cache_directory")]
+
+
+def test_jsonl_captions_make_stale_embeddings_visible(tmp_path: Path) -> None:
+    """An image_jsonl_file dataset: the caption is the line's "caption" (ImageJsonlDatasource)."""
+    import json
+
+    import torch
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    lines = [{"image_path": f"/data/img_{i}.png", "caption": f"caption {i}"} for i in range(2)]
+    (tmp_path / "meta.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "dataset.toml").write_text('[[datasets]]\nimage_jsonl_file = "meta.jsonl"\n'
+                                           'cache_directory = "cache"\nresolution = 128\n')
+    for i in range(2):
+        musubi.save_latents(cache / musubi.latent_name(f"img_{i}", 128, 128, "qi"),
+                            {"latents_1x16x16_bfloat16": torch.zeros(16, 1, 16, 16,
+                                                                     dtype=torch.bfloat16) + i},
+                            "qwen_image", 128, 128)
+        musubi.save_text(cache / f"img_{i}_qi_te.safetensors",
+                         {"varlen_vl_embed_bfloat16": musubi.embed(i, 5, 64)}, "qwen_image",
+                         "an old caption" if i else "caption 0")
+    report = scan_paths(tmp_path / "dataset.toml")
+    assert [(Path(f.path).name, f.code) for f in report.findings] == [
+        ("img_1_qi_te.safetensors", "CD410")]
+    assert "its jsonl line" in report.findings[0].message
