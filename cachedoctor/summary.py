@@ -67,6 +67,8 @@ class FileSummary(NamedTuple):
 def primary_latent(meta: FileMeta) -> TensorMeta | None:
     """The tensor that is the latent: a bare tensor, a known key, or the only 3-D+ tensor."""
     tensors = meta.tensors
+    if meta.metadata and meta.metadata.get("architecture") == "hidream_o1_image":
+        return None  # musubi's HiDream-O1 caches pixel patch tokens [H, W, D], no latent
     if len(tensors) == 1 and (tensors[0].path == () or len(tensors[0].shape) >= 3):
         return tensors[0]
     by_key = {t.path[-1]: t for t in tensors if len(t.path) == 1 and isinstance(t.path[0], str)}

@@ -269,3 +269,20 @@ def test_jsonl_captions_make_stale_embeddings_visible(tmp_path: Path) -> None:
     assert [(Path(f.path).name, f.code) for f in report.findings] == [
         ("img_1_qi_te.safetensors", "CD410")]
     assert "its jsonl line" in report.findings[0].message
+
+
+def test_hidream_patch_tokens_are_no_latents(tmp_path: Path) -> None:
+    """save_pixel_cache_hidream_o1: [H patches, W patches, D] under latents_1x<H>x<W>_<dtype>.
+    Two buckets' tokens in one cache are no channel mismatch, and the key is true to them."""
+    import torch
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for stem, (hp, wp) in (("a", (4, 4)), ("b", (3, 5)), ("c", (4, 4))):
+        musubi.save_latents(cache / musubi.latent_name(stem, wp * 32, hp * 32, "ho1"),
+                            {f"latents_1x{hp}x{wp}_bfloat16": torch.ones(hp, wp, 3072,
+                                                                         dtype=torch.bfloat16)},
+                            "hidream_o1_image", wp * 32, hp * 32)
+        musubi.save_text(cache / f"{stem}_ho1_te.safetensors",
+                         {"varlen_input_ids_int64": torch.arange(7)}, "hidream_o1_image", stem)
+    assert severe(scan_paths(cache)) == []
