@@ -214,14 +214,16 @@ def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tupl
     targets = tuple(sorted({(f - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1
                             for f in frames if isinstance(f, int) and f > 0})) or (1,)
     extraction = typed(config, problems, where, table, "frame_extraction", str, "head", ident)
+    captions = _captions(media, caption_ext, jsonl and resolve(root, jsonl), video)
+    # glob_images(caption_extension=...): images without a caption file are no items
+    captioned = frozenset(captions) if captions is not None and media is not None else None
     naming = MusubiNaming(
-        cache=cache, media=media, video=video, resolution=resolution,
+        cache=cache, media=media, video=video, resolution=resolution, captioned=captioned,
         enabled=bool(_setting(config, problems, where, table, general, "enable_bucket", ident)),
         no_upscale=bool(_setting(config, problems, where, table, general, "bucket_no_upscale",
                                  ident)),
         config=config.path)
     beside = media is not None and os.path.realpath(cache) == os.path.realpath(media)
-    captions = _captions(media, caption_ext, jsonl and resolve(root, jsonl), video)
     options = {"target_frames": targets if video else None,
                "frame_extraction": extraction if video else None,
                "captions": frozen(captions) if captions is not None else None,
@@ -389,6 +391,7 @@ class MusubiNaming(Naming):
     resolution: tuple[int, int]
     enabled: bool
     no_upscale: bool
+    captioned: frozenset[str] | None = None  # stems with a caption file, when musubi filters
     config: str = ""
 
     stem_collisions = True  # a.png and a.jpg both map to a_<W>x<H>_<arch>.safetensors
@@ -436,7 +439,9 @@ class _Directory(DirectoryNaming):
     def image(self, name: str) -> tuple[str, bool] | None:
         if not self.media or self.naming.video or not name.endswith(IMAGE_EXTENSIONS):
             return None
-        return os.path.splitext(name)[0], True
+        stem = os.path.splitext(name)[0]
+        captioned = self.naming.captioned
+        return stem, captioned is None or stem in captioned
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not name.endswith(".safetensors") or TEXT_ENTRY.match(name):

@@ -286,3 +286,12 @@ def test_hidream_patch_tokens_are_no_latents(tmp_path: Path) -> None:
         musubi.save_text(cache / f"{stem}_ho1_te.safetensors",
                          {"varlen_input_ids_int64": torch.arange(7)}, "hidream_o1_image", stem)
     assert severe(scan_paths(cache)) == []
+
+
+def test_images_without_a_caption_file_are_no_items(tmp_path: Path) -> None:
+    """With caption_extension, glob_images keeps only images that have a caption file: an
+    uncaptioned image without a latent is no CD404; a captioned one is."""
+    project = musubi.build(tmp_path / "m", defects=["CD404"])
+    (project.root / "images" / "img_001.txt").unlink()
+    report = scan_paths(project.config)
+    assert by_code(report, "CD404") == []
