@@ -1,15 +1,19 @@
 """## What it does
 Reports a tensor of a musubi-tuner cache file whose real shape or dtype is not what its key
 declares. musubi names every tensor for what it holds: `latents_<F>x<H>x<W>_<dtype>` (also
-`latents_image_…`, `latents_control_…`), `clip_<dtype>`, `f_indices_int32`. Only files with
-musubi's header (`architecture`, `format_version`) are checked.
+`latents_image_…`, `latents_control_…`), `clip_<dtype>`, `f_indices_int32`. Also reports a
+latent whose file name gives another original size (`_<WWWW>x<HHHH>_`) than its header's
+`width` and `height`. Only files with musubi's header (`architecture`, `format_version`) are
+checked.
 
 ## Why is this bad?
 musubi trusts the names: the training loader strips the `_<F>x<H>x<W>` and the dtype from each
-key and stacks the tensors of a batch under what is left, and it splits buckets by the control
-keys' declared shapes. A latent that is not the size its key says crashes `torch.stack` in the
-middle of an epoch (or lands in a bucket it does not fit); one that is not the dtype its key
-says was cast by some other tool after caching and trains in another precision than the rest.
+key and stacks the tensors of a batch under what is left, and it buckets items by the size in
+the file name and the control keys' declared shapes. A latent that is not the size its key
+says crashes `torch.stack` in the middle of an epoch (or lands in a bucket it does not fit);
+one that is not the dtype its key says was cast by some other tool after caching and trains in
+another precision than the rest; a file whose name gives another size than its header was
+renamed or copied from another item, and is bucketed by a size it was not encoded at.
 
 ## Example
 ```
@@ -25,10 +29,12 @@ CD306 error cache/qwen/img_101_0160x0096_qi.safetensors
 
 from __future__ import annotations
 
+import os
 import re
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta, TensorMeta
+from cachedoctor.layouts.musubi import IMAGE_LATENT, VIDEO_LATENT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.units import shape_text
 
@@ -84,11 +90,27 @@ def problems(meta: FileMeta) -> list[str]:
     return out
 
 
+def named_size(meta: FileMeta) -> str | None:
+    """What is wrong with the size in a latent's name, against its header."""
+    name = os.path.basename(meta.path)
+    match = VIDEO_LATENT.match(name) or IMAGE_LATENT.match(name)
+    width, height = meta.metadata.get("width"), meta.metadata.get("height")
+    if match is None or width is None or height is None:
+        return None
+    if (match["w"].lstrip("0") or "0", match["h"].lstrip("0") or "0") == (width, height):
+        return None
+    return (f"its name says {match['w']}x{match['h']}, its header width {width[:20]} and "
+            f"height {height[:20]}")
+
+
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if meta.format != "safetensors" or "format_version" not in meta.metadata or (
             "architecture" not in meta.metadata):
         return None
     found = problems(meta)
+    size = named_size(meta)
+    if size is not None:
+        found.append(size)
     if not found:
         return None
     return RULE.finding(meta.path, "; ".join(found[:3]) + (

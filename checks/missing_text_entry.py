@@ -12,7 +12,7 @@ another dataset config, and the model trains on fewer samples than the dataset h
 ## Example
 ```
 CD411 error cache/qwen/img_201_0096x0160_qi.safetensors
-      no img_201_qi_te.safetensors beside it: musubi skips this item (run
+      no readable img_201_qi_te.safetensors beside it: musubi skips this item (run
       src/musubi_tuner/qwen_image_cache_text_encoder_outputs.py --skip_existing)
 ```
 
@@ -60,7 +60,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         _, stem, arch = item
         yield RULE.finding(
             s.path,
-            f"no {stem}_{arch}_te.safetensors beside it: musubi skips this item (run "
+            f"no readable {stem}_{arch}_te.safetensors beside it: musubi skips this item (run "
             f"{script(arch, 'text_encoder_outputs')} --skip_existing)",
             ctx, text_entry=f"{stem}_{arch}_te.safetensors",
         )
