@@ -40,7 +40,7 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, ending, listdir, typed, unique
+from cachedoctor.layouts.common import Problems, ending, listdir, names, typed, unique
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
@@ -131,8 +131,8 @@ def load(config: ConfigFile) -> Layout:
                              f"{type_name(table)}: expected a table")
             continue
         found.append((table, ("datasets", i)))
-    names = [_media(t)[1] or _media(t)[2] or f"dataset{i}" for i, (t, _) in enumerate(found)]
-    ids = unique(os.path.basename(str(n).rstrip("/")) or str(n) for n in names)
+    labels = [_media(t)[1] or _media(t)[2] or f"dataset{i}" for i, (t, _) in enumerate(found)]
+    ids = unique(os.path.basename(str(n).rstrip("/")) or str(n) for n in labels)
     datasets = []
     for ident, (table, where) in zip(ids, found, strict=True):
         dataset = _dataset(config, root, ident, table, where, general, problems)
@@ -370,11 +370,12 @@ def _names(path: str) -> list[str]:
 
 
 def media_dir(path: str) -> bool:
-    """A folder holding musubi latents beside images or videos (no cache_directory set)."""
-    found = _names(path)
-    latents = any(n.endswith(".safetensors") and (IMAGE_LATENT.match(n) or VIDEO_LATENT.match(n))
-                  and n.rsplit("_", 1)[-1][:-12] in ARCHITECTURES for n in found)
-    return latents and any(n.endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) for n in found)
+    """A folder holding musubi latents beside images or videos (no cache_directory set). The
+    shared listing (images, videos) first: only a folder with media is listed whole."""
+    if not any(n.endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) for n in names(path)):
+        return False
+    return any(n.endswith(".safetensors") and (IMAGE_LATENT.match(n) or VIDEO_LATENT.match(n))
+               and n.rsplit("_", 1)[-1][:-12] in ARCHITECTURES for n in _names(path))
 
 
 # -- naming --------------------------------------------------------------------------------------
