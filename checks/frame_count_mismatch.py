@@ -54,12 +54,14 @@ def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if not name.endswith(".safetensors") or "-" not in name:
         return None
     match = VIDEO_LATENT.match(name)
-    if match is None or "format_version" not in meta.metadata:
+    # musubi writes frame_count for video clips only: an image named like a clip is no clip
+    if match is None or "format_version" not in meta.metadata or (
+            "frame_count" not in meta.metadata):
         return None
     frames = int(match["frames"])
     problems = []
-    header = meta.metadata.get("frame_count")
-    if header is not None and header != str(frames):
+    header = meta.metadata["frame_count"]
+    if header != str(frames):
         problems.append(f"its header says frame_count {header}")
     axis = _latent_axis(meta)
     if axis is not None and axis != latent_frames(frames):

@@ -33,13 +33,16 @@ from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
 
-def _item(path: str) -> tuple[str, str, str] | None:
-    """(directory, item stem, arch) of a musubi latent, as prepare_for_training splits it."""
+def _items(path: str) -> list[tuple[str, str, str]]:
+    """(directory, item stem, arch) of a musubi latent, as prepare_for_training splits it: as a
+    video clip's and as an image's name (an image may be named like a clip)."""
     name = os.path.basename(path)
-    match = VIDEO_LATENT.match(name) or IMAGE_LATENT.match(name)
-    if match is None or match["arch"] not in ARCHITECTURES:
-        return None
-    return os.path.dirname(path), match["stem"], match["arch"]
+    out = []
+    for pattern in (VIDEO_LATENT, IMAGE_LATENT):
+        match = pattern.match(name)
+        if match is not None and match["arch"] in ARCHITECTURES:
+            out.append((os.path.dirname(path), match["stem"], match["arch"]))
+    return out
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
@@ -54,10 +57,10 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     for s in view:
         if s.role != LATENT or s.family not in ARCHITECTURES:
             continue
-        item = _item(s.path)
-        if item is None or item in texts:
+        items = _items(s.path)
+        if not items or any(item in texts for item in items):
             continue
-        _, stem, arch = item
+        _, stem, arch = items[0]
         yield RULE.finding(
             s.path,
             f"no readable {stem}_{arch}_te.safetensors beside it: musubi skips this item (run "

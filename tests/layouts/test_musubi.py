@@ -295,3 +295,18 @@ def test_images_without_a_caption_file_are_no_items(tmp_path: Path) -> None:
     (project.root / "images" / "img_001.txt").unlink()
     report = scan_paths(project.config)
     assert by_code(report, "CD404") == []
+
+
+def test_an_image_named_like_a_clip_is_an_image(tmp_path: Path) -> None:
+    """`take_00001-123.png` caches as take_00001-123_<W>x<H>_qi: no frame count, no video stem."""
+    import torch
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    musubi.save_latents(cache / musubi.latent_name("take_00001-123", 128, 128, "qi"),
+                        {"latents_1x16x16_bfloat16": torch.ones(16, 1, 16, 16,
+                                                                dtype=torch.bfloat16)},
+                        "qwen_image", 128, 128)
+    musubi.save_text(cache / "take_00001-123_qi_te.safetensors",
+                     {"varlen_vl_embed_bfloat16": musubi.embed(0, 5, 64)}, "qwen_image", "x")
+    assert severe(scan_paths(cache)) == []
