@@ -310,3 +310,17 @@ def test_an_image_named_like_a_clip_is_an_image(tmp_path: Path) -> None:
     musubi.save_text(cache / "take_00001-123_qi_te.safetensors",
                      {"varlen_vl_embed_bfloat16": musubi.embed(0, 5, 64)}, "qwen_image", "x")
     assert severe(scan_paths(cache)) == []
+
+
+def test_fix_quarantines_and_undo_puts_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(tmp_path / "state"))
+    project = musubi.build(tmp_path / "m", defects=["CD306", "CD410"])
+    broken = sorted(Path(p) for p, _ in project.expected["CD306"] + project.expected["CD410"])
+    before = {p: p.read_bytes() for p in broken}
+    result = invoke("fix", str(project.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert not any(p.exists() for p in broken)
+    after = scan_paths(project.config)
+    assert by_code(after, "CD306") == [] and by_code(after, "CD410") == []
+    assert invoke("undo", "--cache", str(project.root / "cache" / "qwen")).exit_code == 0
+    assert {p: p.read_bytes() for p in broken} == before
