@@ -42,9 +42,11 @@ METADATA_PATTERN = re.compile(
     r"|metadata_cache\.json|all_(image|vae_cache|text_cache)_files_.+\.json"
     r"|dataset_info\.json|state\.json|dataset_dict\.json)$"
 )
-# SimpleTuner md5(caption)-<family>.pt; kohya's text-encoder npz suffixes.
+# SimpleTuner md5(caption)-<family>.pt; kohya's text-encoder npz suffixes; musubi-tuner's
+# <stem>_<arch>_te.safetensors.
 TEXT_PATTERN = re.compile(
-    r"^([0-9a-f]{32}-[\w.]+\.pt|.+_te_outputs\.npz|.+_(flux|sd3|lumina|anima|hi)_te\.npz)$"
+    r"^([0-9a-f]{32}-[\w.]+\.pt|.+_te_outputs\.npz|.+_(flux|sd3|lumina|anima|hi)_te\.npz"
+    r"|.+_[a-z0-9]+_te\.safetensors)$"
 )
 TEXT_DIRS = frozenset({"_t_e_cache", "text"})
 

@@ -37,11 +37,18 @@ IMAGE_SIDE, CACHE_SIDE, LISTED_SIDE = 0, 1, 2  # coverage rows: an image, a cach
 # OneTrainer `latent_image`, kohya `latents` / `latents_<H>x<W>` (multi-resolution).
 LATENT_KEYS = ("latents", "latent", "latent_image")
 KOHYA_RESO_KEY = re.compile(r"^latents_\d+x\d+$")
+# musubi-tuner: `latents_<F>x<H>x<W>_<dtype>` ([C, F, H, W]; FLUX.2 `latents_<H>x<W>_<dtype>`)
+MUSUBI_KEY = re.compile(r"^latents_\d+x\d+(x\d+)?_[a-z][a-z0-9_]*$")
 # Keys that only text-encoder outputs carry (SimpleTuner, OneTrainer, kohya, ai-toolkit).
 TEXT_KEY = re.compile(
     r"(prompt_embeds|pooled|hidden_state|text_embed|t5_out|lg_out|vlm_embed|byt5_embed"
     r"|attention_mask|attn_mask|input_ids|tokens_\d|time_ids)"
 )
+
+
+# A text-encoder file named for its architecture (musubi `<stem>_<arch>_te.safetensors`, kohya
+# `<stem>_<arch>_te.npz`): embeddings of different architectures are never compared.
+TEXT_FAMILY = re.compile(r"_([a-z0-9]+)_te\.(safetensors|npz)$")
 
 
 class FileSummary(NamedTuple):
@@ -73,6 +80,8 @@ def is_floating(dtype: str | None) -> bool:
 def primary_latent(meta: FileMeta) -> TensorMeta | None:
     """The tensor that is the latent: a bare tensor, a known key, or the only 3-D+ tensor."""
     tensors = meta.tensors
+    if meta.metadata and meta.metadata.get("architecture") == "hidream_o1_image":
+        return None  # musubi's HiDream-O1 caches pixel patch tokens [H, W, D], no latent
     if len(tensors) == 1 and (tensors[0].path == () or len(tensors[0].shape) >= 3):
         return tensors[0]
     by_key = {t.path[-1]: t for t in tensors if len(t.path) == 1 and isinstance(t.path[0], str)}
@@ -82,6 +91,9 @@ def primary_latent(meta: FileMeta) -> TensorMeta | None:
     reso = [t for k, t in by_key.items() if KOHYA_RESO_KEY.match(k)]
     if len(reso) == 1:
         return reso[0]
+    musubi = [t for k, t in by_key.items() if MUSUBI_KEY.match(k)]
+    if len(musubi) == 1:
+        return musubi[0]
     big = [t for t in tensors if len(t.shape) >= 3]
     return big[0] if len(big) == 1 else None
 

@@ -45,11 +45,14 @@ from cachedoctor.summary import DatasetView
 
 
 def channels(shape: tuple[int, ...]) -> int | None:
-    """C of [C, H, W], [C, F, H, W] (video) or [1, C, H, W] (a saved batch of one)."""
+    """C of [C, H, W], [C, F, H, W] (video) or [1, C, H, W] (a saved batch of one), and
+    [1, C, F, H, W] (a video batch of one)."""
     if len(shape) == 3:
         return shape[0]
     if len(shape) == 4:
         return shape[1] if shape[0] == 1 else shape[0]
+    if len(shape) == 5 and shape[0] == 1:
+        return shape[1]
     return None
 
 

@@ -109,6 +109,8 @@ class FileMeta:
     errors: tuple[str, ...] = ()  # why the file cannot load as its format; first is the headline
     crc_errors: tuple[str, ...] = ()  # --deep: entries whose bytes do not match their CRC32
     nonfinite: tuple[tuple[tuple[str | int, ...], int], ...] = ()  # --deep: (tensor path, count)
+    # --deep, safetensors: (tensor path, exact zeros, elements) of float tensors holding zeros
+    zeros: tuple[tuple[tuple[str | int, ...], int, int], ...] = ()
     notes: tuple[str, ...] = ()  # facts that are no problem ("CRC32 not recorded")
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     deep: bool = False  # whether CRC and values were read

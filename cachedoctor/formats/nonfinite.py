@@ -113,3 +113,36 @@ def count_nonfinite_at(
         total += count_nonfinite(chunk, dtype, big_endian)
         pos += len(chunk)
     return total
+
+
+def count_values_at(src: Source, offset: int, nbytes: int, dtype: str) -> tuple[int, int]:
+    """(NaN/Inf elements, exactly zero elements) in `nbytes` of `src` at `offset`, read once
+    in bounded chunks; (0, 0) for dtypes that are no float. Zeros are counted because some
+    writers (musubi-tuner's cache_io.py) replace NaN with 0 before they save."""
+    if dtype not in FLOAT_DTYPES:
+        return 0, 0
+    import numpy as np
+
+    size = itemsize(dtype)
+    step = CHUNK - CHUNK % size
+    # an element is zero when every bit but the sign is clear; for the fnuz float8 formats the
+    # sign-only pattern is NaN, so only the all-clear one
+    parts = _IEEE.get(dtype, ("", 1))[1]
+    width = size // parts
+    mask = 0xFF if dtype.endswith("fnuz") else (1 << (8 * width - 1)) - 1
+    bad = zeros = 0
+    pos, end = offset, offset + nbytes
+    while pos < end:
+        chunk = src.pread(pos, min(step, end - pos))
+        if not chunk:
+            break
+        whole = len(chunk) - len(chunk) % size
+        view = memoryview(chunk)[:whole]
+        bad += count_nonfinite(view, dtype)
+        bits = np.frombuffer(view, f"<u{width}")
+        clear = (bits & mask) == 0
+        if parts == 2:  # a complex element is zero when both parts are
+            clear = clear.reshape(-1, 2).all(axis=1)
+        zeros += int(np.count_nonzero(clear))
+        pos += len(chunk)
+    return bad, zeros

@@ -15,7 +15,7 @@ import json
 import re
 
 from cachedoctor.formats.meta import SAFETENSORS, FileMeta, TensorMeta, contiguous_stride
-from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_nonfinite_at
+from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_values_at, itemsize
 from cachedoctor.formats.source import Source
 from cachedoctor.formats.torch_tensors import clip
 
@@ -117,19 +117,22 @@ def read(src: Source, path: str, deep: bool) -> FileMeta:
             ))
     except _Invalid as exc:
         return _meta(src, path, [], metadata, notes, error=str(exc))
-    nonfinite = []
+    nonfinite, zeros = [], []
     for t in tensors if deep else ():
         dtype = DTYPES[t.dtype][0]
         if dtype in FLOAT_DTYPES:
-            count = count_nonfinite_at(src, N_LEN + n + t.begin, t.end - t.begin, dtype)
+            count, zero = count_values_at(src, N_LEN + n + t.begin, t.end - t.begin, dtype)
             if count:
                 nonfinite.append(((t.name,), count))
-    return _meta(src, path, tensors, metadata, notes, nonfinite=tuple(nonfinite), deep=deep)
+            if zero:
+                zeros.append(((t.name,), zero, (t.end - t.begin) // itemsize(dtype)))
+    return _meta(src, path, tensors, metadata, notes, nonfinite=tuple(nonfinite), deep=deep,
+                 zeros=tuple(zeros))
 
 
 def _meta(src: Source, path: str, tensors: list[_Tensor], metadata: dict[str, str],
-          notes: list[str], error: str | None = None, nonfinite: tuple = (), deep: bool = False
-          ) -> FileMeta:
+          notes: list[str], error: str | None = None, nonfinite: tuple = (), deep: bool = False,
+          zeros: tuple = ()) -> FileMeta:
     return FileMeta(
         path,
         src.size,
@@ -138,6 +141,7 @@ def _meta(src: Source, path: str, tensors: list[_Tensor], metadata: dict[str, st
         tensors=tuple(_tensor_meta(t, notes) for t in tensors),
         errors=(f"safetensors header: {error}",) if error else (),
         nonfinite=nonfinite,
+        zeros=zeros,
         notes=tuple(notes),
         metadata=metadata,
         deep=deep,

@@ -18,7 +18,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 
-from cachedoctor.layouts import aitoolkit, bare, kohya, onetrainer, simpletuner, sources
+from cachedoctor.layouts import aitoolkit, bare, kohya, musubi, onetrainer, simpletuner, sources
 from cachedoctor.layouts.base import ConfigProblem, Dataset, Layout, Origin, TargetError
 from cachedoctor.layouts.common import one_listing_each, unique
 
@@ -27,6 +27,7 @@ __all__ = ["LAYOUTS", "ConfigProblem", "Dataset", "Layout", "Origin", "TargetErr
 LAYOUTS = {
     simpletuner.NAME: simpletuner,
     onetrainer.NAME: onetrainer,
+    musubi.NAME: musubi,  # before kohya: both read TOMLs with [[datasets]]
     kohya.NAME: kohya,
     aitoolkit.NAME: aitoolkit,
 }

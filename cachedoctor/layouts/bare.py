@@ -12,7 +12,10 @@ or place shows a trainer's own layout, whose bucket semantics then apply:
   the images belong, the `_latent_cache` folders are its caches;
 - `variation-<n>/<i>.pt` (OneTrainer): `crop_resolution` from the folder's `aggregate.pt`, or
   no bucket without one;
-- `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders).
+- `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders);
+- `<stem>_<W>x<H>_<arch>.safetensors` with musubi-tuner's header (`format_version`,
+  `architecture`): no bucket, the architecture its family; a folder holding such files beside
+  images or videos is a musubi-tuner media dir with its caches, where the media belong.
 
 A tree is not one dataset: every folder that holds cache files is a dataset of its own (the
 dataset rules compare files of one dataset only), so that `cache/vae/sdxl/photos` and
@@ -32,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
-from cachedoctor.layouts import aitoolkit, kohya, onetrainer
+from cachedoctor.layouts import aitoolkit, kohya, musubi, onetrainer
 from cachedoctor.layouts.base import ANY_DEVICE, NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
 from cachedoctor.layouts.common import listdir, names, subdirs
 
@@ -56,6 +59,10 @@ def layout(path: str) -> Layout:
         naming = kohya.KohyaNaming(root=path, buckets=None)
         dataset = Dataset(name, image_dirs=(path,), latent_cache_dir=path, text_cache_dir=path,
                           caches_beside_images=True, naming=naming)
+        return Layout("bare", None, (dataset,))
+    if isdir and musubi.media_dir(path):
+        dataset = Dataset(name, image_dirs=(path,), latent_cache_dir=path, text_cache_dir=path,
+                          caches_beside_images=True, naming=BareNaming(frozen({})))
         return Layout("bare", None, (dataset,))
     latent_caches = _aitoolkit_caches(path) if isdir else []
     if latent_caches:
@@ -161,6 +168,10 @@ class _Directory(DirectoryNaming):
             return aitoolkit.header_facts(meta)._replace(key=None)
         if self.kind == "onetrainer":
             return self.onetrainer.cache(name, meta)._replace(key=None)
+        if name.endswith(".safetensors") and meta.metadata.get("format_version"):
+            family = musubi.header_family(name, meta)
+            if family is not None:  # musubi's buckets need the dataset's settings
+                return CacheFacts(family=family)
         if self.bucket is None:
             return NO_FACTS
         if name.endswith(".npz"):

@@ -102,10 +102,11 @@ class CacheFacts(NamedTuple):
 NO_FACTS = CacheFacts()
 
 # The model family a text-encoder cache file's name tells: SimpleTuner `<md5>-<family>.pt`,
-# kohya `<stem>_<arch>_te.npz` and SDXL's `<stem>_te_outputs.npz` (sd-scripts strategy_*.py).
+# kohya `<stem>_<arch>_te.npz` and SDXL's `<stem>_te_outputs.npz` (sd-scripts strategy_*.py),
+# musubi-tuner `<item>_<arch>_te.safetensors` (dataset/cache_io.py).
 # Files of two families side by side (kohya keeps them beside the images) are compared apart.
 TEXT_FAMILY = re.compile(r"^[0-9a-f]{32}-(?P<family>[A-Za-z0-9_.]+)\.pt$"
-                         r"|_(?P<arch>[a-z0-9]+)_te\.npz$|(?P<sdxl>_te_outputs\.npz)$")
+                         r"|_(?P<arch>[a-z0-9]+)_te\.(?:npz|safetensors)$|(?P<sdxl>_te_outputs\.npz)$")
 
 
 def text_family(name: str) -> str | None:

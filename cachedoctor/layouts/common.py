@@ -93,9 +93,10 @@ def unique(ids: Iterable[str]) -> list[str]:
 # Listings made while targets resolve: every trainer looks into a project folder, and a bare
 # cache dir is searched for kohya, ai-toolkit and OneTrainer layouts; listed once each, a flat
 # cache of a million files costs one listing, not six. A listing keeps the names layouts look
-# for (folders, configs, npz, images), not a flat cache's million `<sha256>.pt` entries.
+# for (folders, configs, npz, images, videos), not a flat cache's million `<sha256>.pt` entries.
 KEPT_SUFFIXES = frozenset(KINDS) | {".npz", ".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif",
-                                    ".tif", ".tiff", ".jxl", ".avif"}
+                                    ".tif", ".tiff", ".jxl", ".avif", ".mp4", ".webm", ".avi",
+                                    ".mkv", ".mov", ".flv", ".wmv", ".m4v", ".mpg", ".mpeg"}
 _listings: dict[str, tuple[tuple[str, ...], frozenset[str]]] | None = None
 
 

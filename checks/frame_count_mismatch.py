@@ -1,0 +1,92 @@
+"""## What it does
+Reports a musubi-tuner video latent whose frame count disagrees: the clip's frame count in its
+file name (`<stem>_<pos>-<frames>_<W>x<H>_<arch>.safetensors`) is not one of the dataset's
+`target_frames` (rounded to 4n+1, as musubi rounds them), or not the `frame_count` in the
+file's header, or the latent's frame axis is not (frames - 1) / 4 + 1, what musubi's video
+VAEs make of that many frames.
+
+## Why is this bad?
+musubi trains on every latent of the architecture in the cache directory: clips cached for
+target frames the config no longer asks for (target_frames changed, the cache not rebuilt)
+are still trained on, in buckets of their own. musubi buckets a clip by the frame count in its
+name; a latent with another number of latent frames is stacked with the clips of that bucket
+and `torch.stack` fails mid-epoch.
+
+## Example
+```
+CD308 warning cache/hv/clip_0_00000-013_0160x0096_hv.safetensors
+      a 13-frame clip: target_frames is [1, 9] (dataset.toml:18), so it is a clip of an older
+      config that musubi still trains on
+```
+
+## Fix
+`cachedoctor fix` quarantines the file; musubi-tuner's `cache_latents.py` (or the
+architecture's caching script) without `--keep_cache` also deletes latents the dataset no
+longer makes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.layouts.musubi import VIDEO_LATENT, latent_frames
+from cachedoctor.rule import Rule, RuleContext
+
+MAIN_KEY = re.compile(r"^latents_(?P<f>\d+)x\d+x\d+_[a-z0-9_]+$")
+
+
+def _latent_axis(meta: FileMeta) -> int | None:
+    """The frame axis of the main latent `latents_<F>x<H>x<W>_<dtype>` ([C, F, H, W])."""
+    for tensor in meta.tensors:
+        if (len(tensor.path) == 1 and isinstance(tensor.path[0], str)
+                and MAIN_KEY.match(tensor.path[0]) and len(tensor.shape) == 4):
+            return tensor.shape[1]
+    return None
+
+
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+    if meta.format != "safetensors" or meta.errors:
+        return None
+    name = os.path.basename(meta.path)
+    if not name.endswith(".safetensors") or "-" not in name:
+        return None
+    match = VIDEO_LATENT.match(name)
+    # musubi writes frame_count for video clips only: an image named like a clip is no clip
+    if match is None or "format_version" not in meta.metadata or (
+            "frame_count" not in meta.metadata):
+        return None
+    frames = int(match["frames"])
+    problems = []
+    header = meta.metadata["frame_count"]
+    if header != str(frames):
+        problems.append(f"its header says frame_count {header}")
+    axis = _latent_axis(meta)
+    if axis is not None and axis != latent_frames(frames):
+        problems.append(f"its latent has {axis} latent frames where {frames} frames make "
+                        f"{latent_frames(frames)}")
+    facts = ctx.facts
+    targets = facts.options.get("target_frames") if facts is not None else None
+    extraction = facts.options.get("frame_extraction") if facts is not None else None
+    if targets and extraction != "full" and frames not in targets:
+        origin = facts.origin("target_frames")
+        where = f" ({origin})" if origin is not None else ""
+        problems.append(f"target_frames is {list(targets)}{where}, so it is a clip of an older "
+                        "config that musubi still trains on")
+    if not problems:
+        return None
+    return RULE.finding(meta.path, f"a {frames}-frame clip: " + "; ".join(problems), ctx,
+                        frames=frames, target_frames=list(targets) if targets else None)
+
+
+RULE = Rule(
+    code="CD308",
+    name="frame-count-mismatch",
+    severity=Severity.WARNING,
+    summary="a video latent's frame count is not the config's target_frames, its header's or its latent's",
+    doc=__doc__,
+    fix="quarantine",
+    check_file=check,
+)
