@@ -46,11 +46,6 @@ TEXT_KEY = re.compile(
 )
 
 
-# A text-encoder file named for its architecture (musubi `<stem>_<arch>_te.safetensors`, kohya
-# `<stem>_<arch>_te.npz`): embeddings of different architectures are never compared.
-TEXT_FAMILY = re.compile(r"_([a-z0-9]+)_te\.(safetensors|npz)$")
-
-
 class FileSummary(NamedTuple):
     path: str
     dataset: str | None
