@@ -133,11 +133,14 @@ def _ints(row: tuple) -> tuple[int, int] | None:
 
 
 def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
-    tables = con.execute("SELECT name FROM sqlite_master WHERE type = 'table' LIMIT ?",
-                         (MAX_TABLES + 1,)).fetchall()
-    if len(tables) > MAX_TABLES:
+    objects = con.execute("SELECT type, name FROM sqlite_master LIMIT ?",
+                          (MAX_TABLES + 1,)).fetchall()
+    if len(objects) > MAX_TABLES:
         raise _Interrupted(f"more than {MAX_TABLES:,} tables: not read")
-    names = {t[0] for t in tables if isinstance(t[0], str)}
+    names = {n for t, n in objects if t == "table" and isinstance(n, str)}
+    bad: list[str] = [
+        f"{t} {n!r:.60} is named like a shard table: diffusion-pipe would query it (never read here)"
+        for t, n in objects if t != "table" and isinstance(n, str) and n.startswith("shard_")][:10]
     if "items" not in names:
         raise _Interrupted("no table 'items': not diffusion-pipe's offsets table")
     budget = MAX_ROWS
@@ -149,7 +152,6 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
         raise _Interrupted(f"more than {MAX_ROWS:,} rows: not read")
     budget -= len(rows)
     shards: dict[int, tuple[tuple[int, int], ...]] = {}
-    bad: list[str] = []
     for name in sorted(names):
         if not name.startswith("shard_"):
             continue
