@@ -15,6 +15,7 @@ import pytest
 from cachedoctor.findings import Severity
 from cachedoctor.fixtures.projects import diffusion_pipe as dp
 from cachedoctor.formats import shard_blobs
+from cachedoctor.layouts import resolve
 
 from conftest import by_code, invoke, scan_paths
 
@@ -24,13 +25,14 @@ def serious(report) -> list:
 
 
 def latents_of(project) -> Path:
-    return project.config / dp.bucket_dir(128, 128) / "latents"
+    return dp.cache_of(project) / dp.bucket_dir(128, 128) / "latents"
 
 
 def test_clean_cache_is_silent_and_every_blob_is_checked(tmp_path: Path) -> None:
     project = dp.build(tmp_path)
     report = scan_paths(project.config, keep_paths=True)
-    assert serious(report) == [] and report.findings == ()
+    assert report.findings == ()
+    assert report.trainers == ("diffusion-pipe",)
     blobs = [p for p in report.checked if "@" in p]
     # 3 buckets x 4 images, one latent and one text embedding each
     assert len(blobs) == 24
@@ -46,9 +48,13 @@ def test_clean_cache_is_silent_and_every_blob_is_checked(tmp_path: Path) -> None
 def test_each_defect_is_found_on_its_path(tmp_path: Path, defect: str) -> None:
     project = dp.build(tmp_path, defects={defect})
     report = scan_paths(project.config)
-    found = {(f.code, f.path) for f in serious(report)}
-    expected = {(code, path) for code, hits in project.expected.items() for path, _ in hits}
+    found = {(f.code, f.path, f.dataset) for f in serious(report)}
+    expected = {(code, path, dataset) for code, hits in project.expected.items()
+                for path, dataset in hits}
     assert found == expected
+    # the cache dir alone (no config) finds the same
+    bare = {(f.code, f.path) for f in serious(scan_paths(dp.cache_of(project)))}
+    assert bare == {(code, path) for code, path, _ in expected}
 
 
 def test_blobs_get_every_file_rule(tmp_path: Path) -> None:
@@ -162,14 +168,14 @@ def test_fix_quarantines_the_cache_folder_and_undo_restores_it(tmp_path: Path, d
     project = dp.build(tmp_path, defects={defect})
     folder = latents_of(project)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    others = {p: p.read_bytes() for p in project.config.rglob("*")
+    others = {p: p.read_bytes() for p in dp.cache_of(project).rglob("*")
               if p.is_file() and p.parent != folder}
     result = invoke("fix", str(project.config), "-y")
     assert result.exit_code == 0, result.output
     assert list(folder.iterdir()) == []  # metadata.db and every shard: diffusion-pipe rebuilds it
     assert all(p.read_bytes() == data for p, data in others.items())  # other folders untouched
     assert serious(scan_paths(project.config)) == []
-    result = invoke("undo")
+    result = invoke("undo", "--cache", str(dp.cache_of(project)))
     assert result.exit_code == 0, result.output
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
@@ -212,3 +218,59 @@ def test_blob_source_reads_only_its_window(tmp_path: Path) -> None:
     metas = list(shard_blobs.blobs(str(folder / "shard_0.bin"), index, 0))
     assert [m.size for m in metas] == [len(b) for b in buffers]
     assert all(m.ok and m.tensors[0].shape == (16, 64, 64) for m in metas)
+
+
+# -- the config layout --------------------------------------------------------------------------
+
+
+def test_layout_from_the_training_config(tmp_path: Path) -> None:
+    project = dp.build(tmp_path)
+    (layout,) = resolve([str(project.config)])
+    (dataset,) = layout.datasets
+    assert layout.trainer == "diffusion-pipe"
+    assert layout.files == (str(project.config), str(tmp_path / "dataset.toml"))
+    assert dataset.id == "dataset"
+    assert dataset.image_dirs == dataset.shallow_image_dirs == (str(tmp_path / "dataset"),)
+    assert dataset.cache_dirs == (str(dp.cache_of(project)),)
+    assert dataset.caches_beside_images  # <path>/cache is diffusion-pipe's own place: no CD401
+
+
+def test_dataset_toml_and_project_folder_give_the_config_s_layout(tmp_path: Path) -> None:
+    project = dp.build(tmp_path, defects={"zeroed-blob"})
+    by_config = scan_paths(project.config).findings
+    assert by_config and scan_paths(tmp_path / "dataset.toml").findings == by_config
+    assert scan_paths(tmp_path).findings == by_config
+
+
+def test_configs_in_a_sub_folder_resolve_against_the_working_dir(tmp_path: Path) -> None:
+    """diffusion-pipe's examples: `dataset = 'examples/dataset.toml'`, run from the repo root."""
+    project = dp.build(tmp_path)
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    config = examples / "main.toml"
+    config.write_text(project.config.read_text().replace("'dataset.toml'", "'examples/dataset.toml'"))
+    (tmp_path / "dataset.toml").rename(examples / "dataset.toml")
+    (layout,) = resolve([str(config)])
+    assert layout.problems == ()
+    assert layout.datasets[0].cache_dirs == (str(dp.cache_of(project)),)
+
+
+def test_an_unknown_model_name_checks_the_whole_cache_folder(tmp_path: Path) -> None:
+    project = dp.build(tmp_path)
+    project.config.write_text(project.config.read_text().replace("type = 'flux'", "type = 'wan'"))
+    (layout,) = resolve([str(project.config)])
+    assert layout.datasets[0].cache_dirs == (str(tmp_path / "dataset" / "cache"),)
+
+
+def test_config_problems_are_findings(tmp_path: Path) -> None:
+    project = dp.build(tmp_path)
+    text = project.config.read_text()
+    project.config.write_text(text.replace("'dataset.toml'", "'nowhere.toml'"))
+    (f,) = by_code(scan_paths(project.config), "CD408")
+    assert f.path == str(project.config) and "nowhere.toml" in f.message
+    project.config.write_text(text)
+    (tmp_path / "dataset.toml").write_text(dp.DATASET.replace("path = 'dataset'", "path = 'gone'")
+                                           + "\n[[directory]]\npath = 7\n")
+    report = scan_paths(project.config)
+    assert [f.details["key"] for f in by_code(report, "CD409")] == ["path"]
+    assert "gone" in by_code(report, "CD408")[0].message
