@@ -7,8 +7,8 @@ where the examples keep configs in `examples/`: a relative dataset path resolves
 config's folder, else (a config in a sub-folder of that working dir) its parent. Each
 `[[directory]]`'s files are listed without sub-folders (`path.glob('*')`), and its cache is
 `<path>/cache/<model name>/`: `metadata/` (🤗 datasets Arrow files), then per size bucket
-`cache_<AR>x<W>x<H>x<frames>/` (or per aspect bucket `ar_frames_<AR>_<frames>/`) holding
-`latents/` and `text_embeddings_<i>/`, each a sharded cache (metadata.db + shard_<n>.bin, see
+`cache_<AR>x<W>x<H>x<frames>/` holding `latents/` and `text_embeddings_<i>/` (with aspect
+buckets, the text embeddings are in `ar_frames_<AR>_<frames>/`), each a sharded cache (metadata.db + shard_<n>.bin, see
 formats/shard_blobs.py) and `iteration_order/`. The model name is the model class's `name`,
 mostly the configured type; where the folder of that name is absent, all of `<path>/cache/` is
 checked. A cache inside the image dir is by design (no CD401), and a size bucket's folder is its
