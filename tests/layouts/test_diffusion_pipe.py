@@ -135,6 +135,21 @@ def test_rows_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert index.error == "more than 10 rows: not read"
 
 
+def test_misplaced_blobs_are_bounded(tmp_path: Path) -> None:
+    """A table of a million rows that all overlap gives a bounded number of findings."""
+    folder = tmp_path / "latents"
+    _db(folder, "CREATE TABLE fingerprint(value)", "INSERT INTO fingerprint VALUES ('x')",
+        "CREATE TABLE items(shard, shard_index)", "CREATE TABLE shard_0(offset, size)",
+        "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 999999) "
+        "INSERT INTO shard_0 SELECT 0, 10 FROM n")
+    (folder / "shard_0.bin").write_bytes(bytes(10))
+    started = time.monotonic()
+    found = by_code(scan_paths(tmp_path), "CD101")
+    assert time.monotonic() - started < 30
+    assert len(found) == shard_blobs.MAX_BAD_BLOBS + 2  # the blob at 0, 100 overlaps, the rest
+    assert "999,898 blobs after it are not checked" in found[-1].message
+
+
 def test_vm_work_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A query that would run long (a huge table scanned) is interrupted, not waited for."""
     monkeypatch.setattr(shard_blobs, "MAX_VM_STEPS", 200_000)
