@@ -46,6 +46,9 @@ def expand(entries: Iterable[Entry], deep: bool) -> Iterator[tuple[Entry, FileMe
 def _parts(entry: Entry, directory: str, name: str, index, deep: bool
            ) -> Iterator[tuple[Entry, FileMeta | None]]:
     if name == INDEX_NAME:
+        if index.error is not None and not _has_shards(directory):
+            yield entry, None  # some other program's database: judged as any file
+            return
         yield entry._replace(role=METADATA), index_meta(entry.path)
         return
     if name in SQLITE_SIDE_FILES:
@@ -66,6 +69,13 @@ def _parts(entry: Entry, directory: str, name: str, index, deep: bool
             yield entry._replace(path=meta.path, role=role), meta
     except OSError:
         yield entry, None  # the shard cannot be opened: its reader reports the I/O error
+
+
+def _has_shards(directory: str) -> bool:
+    try:
+        return any(SHARD_PATTERN.match(n) for n in os.listdir(directory))
+    except OSError:
+        return False
 
 
 def _whole(path: str) -> FileMeta:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import stat
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -95,8 +96,13 @@ class _Interrupted(Exception):
 def read_index(path: str) -> ShardIndex:
     """Read metadata.db read-only; never raises for what the file holds."""
     try:
-        with open(path, "rb") as f:
-            magic = f.read(len(SQLITE_MAGIC))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang the scan
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ShardIndex(path, error="not a regular file")
+            magic = os.read(fd, len(SQLITE_MAGIC))
+        finally:
+            os.close(fd)
     except OSError as exc:
         return ShardIndex(path, error=f"cannot read it: {exc.strerror or exc}")
     if magic != SQLITE_MAGIC:
@@ -271,6 +277,8 @@ def blobs(shard: str, index: ShardIndex, number: int, *, deep: bool = False) -> 
     fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"not a regular file: {shard}")
         src = FileSource(fd, st.st_size, position=0, spans=())
         end_of_previous, previous = 0, None
         rows = sorted(index.shards.get(number, ()))

@@ -127,6 +127,25 @@ def test_hostile_metadata_db_is_cd101_and_the_rest_is_judged(tmp_path: Path, cas
     assert by_code(report, "CD002") == []
 
 
+def test_another_program_s_metadata_db_is_no_index(tmp_path: Path) -> None:
+    """A SQLite metadata.db with no shards beside it and no items table is not diffusion-pipe's:
+    a foreign file (CD107), as before, not a broken index."""
+    con = sqlite3.connect(tmp_path / "metadata.db")
+    con.execute("CREATE TABLE photos(name)")
+    con.commit()
+    con.close()
+    report = scan_paths(tmp_path)
+    assert [(f.code, Path(f.path).name) for f in report.findings] == [("CD107", "metadata.db")]
+
+
+def test_a_fifo_named_metadata_db_does_not_hang(tmp_path: Path) -> None:
+    folder = dp.write_cache(tmp_path / "latents", [dp.latent(64, 64, 0)])
+    (folder / "metadata.db").unlink()
+    os.mkfifo(folder / "metadata.db")
+    index = shard_blobs.read_index(str(folder / "metadata.db"))
+    assert index.error == "not a regular file"
+
+
 def test_rows_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shard_blobs, "MAX_ROWS", 10)
     shard_blobs._indexes.clear()
