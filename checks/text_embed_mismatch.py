@@ -2,7 +2,8 @@
 Reports text-embedding files whose keys or feature sizes differ from the rest of their cache:
 `prompt_embeds` of 4096 features among files of 2048 (a T5 cache among CLIP ones), or files
 with `pooled_prompt_embeds` among files without. Sequence lengths (masks, token ids) may vary
-and are not compared.
+and are not compared. A diffusion-pipe cache keeps one sharded cache per text encoder
+(`text_embeddings_<i>/`): each is compared with its own kind only.
 
 ## Why is this bad?
 The embeddings of one cache feed one model: files of another text encoder (another model
@@ -23,11 +24,13 @@ CD305 error cache/text/flux/10f34c853ae35b374b489315e55183a4-flux.pt
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats.shard_blobs import BLOB_PATTERN
 from cachedoctor.inventory import TEXT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
@@ -51,6 +54,13 @@ def describe(theirs: tuple, ours: tuple) -> str:
     return "; ".join(parts)
 
 
+def slot(path: str) -> str | None:
+    """The text encoder a diffusion-pipe blob belongs to (its `text_embeddings_<i>` folder):
+    the embeddings of different encoders differ by design. None for any other file."""
+    blob = BLOB_PATTERN.match(path)
+    return os.path.basename(os.path.dirname(blob["shard"])) if blob else None
+
+
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     counts: Counter = Counter()
     for g, n in view.tally().items():
@@ -58,12 +68,19 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             counts[normalized(g.signature)] += n
     if len(counts) < 2:
         return
-    major, n = counts.most_common(1)[0]
-    total = sum(counts.values())
+    # several signatures: counted again per text encoder where the files say which
+    by_slot: dict[str | None, Counter] = {}
+    for s in view:
+        if s.role == TEXT and s.signature:
+            by_slot.setdefault(slot(s.path), Counter())[normalized(s.signature)] += 1
+    if set(by_slot) == {None}:  # no diffusion-pipe blob: the tally's counts, as they were
+        by_slot = {None: counts}
+    majors = {k: (c.most_common(1)[0], sum(c.values())) for k, c in by_slot.items()}
     for s in view:
         if s.role != TEXT or not s.signature:
             continue
         mine = normalized(s.signature)
+        (major, n), total = majors[slot(s.path)]
         if mine == major:
             continue
         yield RULE.finding(
@@ -72,7 +89,6 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             f"{describe(major, mine)}",
             ctx, signature=[list(k) for k in mine], majority_signature=[list(k) for k in major],
         )
-
 
 RULE = Rule(
     code="CD305",
