@@ -5,6 +5,8 @@ judged apart, caches that keep model families apart by name per family, and file
 formats apart (kohya's npz is always float32, whatever the torch files beside it hold). One
 finding per cache, listing the files of the minority dtypes.
 
+The `text_embeddings_<i>/` caches of diffusion-pipe (one per text encoder) are judged apart.
+
 ## Why is this bad?
 Files of one cache should come from one encoder at one precision. Mixed dtypes mean two runs
 (a different `--vae_dtype` or mixed precision, another machine) wrote into one cache, so the
@@ -29,7 +31,8 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import TORCH_LEGACY, TORCH_ZIP
-from cachedoctor.inventory import LATENT
+from cachedoctor.formats.shard_blobs import encoder_slot as slot
+from cachedoctor.inventory import LATENT, TEXT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import count
@@ -46,11 +49,23 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     mixed = {g: c for g, c in counts.items() if len(c) > 1}
     if not mixed:
         return
+    # diffusion-pipe keeps one text cache per text encoder (text_embeddings_<i>/), whose
+    # dtypes may differ by design: where the files say so, they are counted per encoder
+    by_encoder: dict[tuple, Counter] = defaultdict(Counter)
+    for s in view:
+        if s.dtype is not None:
+            by_encoder[_group(s)][s.dtype] += 1
+    if any(g[3] is not None for g in by_encoder):
+        mixed = {g: c for g, c in by_encoder.items() if len(c) > 1}
+        if not mixed:
+            return
+    else:
+        mixed = {(*g, None): c for g, c in mixed.items()}
     major = {g: c.most_common(1)[0][0] for g, c in mixed.items()}
     minority: dict[tuple, list[str]] = defaultdict(list)
     folders: dict[tuple, set[str]] = defaultdict(set)
     for s in view:
-        group = (s.role, s.family, CONTAINER.get(s.format, s.format))
+        group = _group(s)
         if group not in mixed:
             continue
         folders[group].add(os.path.dirname(s.path))
@@ -59,10 +74,12 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     common = {g: os.path.commonpath(sorted(f)) for g, f in folders.items()}
     facts = ctx.facts
     for group, dtype_counts in sorted(mixed.items(), key=lambda g: str(g[0])):
-        role, family, _ = group
+        role, family, _, encoder = group
         what = "latents" if role == LATENT else "text embeddings"
         if family:
             what += f" ({family})"
+        if encoder:
+            what += f" ({encoder})"
         where = None
         if facts is not None:
             where = facts.latent_cache_dir if role == LATENT else facts.text_cache_dir
@@ -72,6 +89,11 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         yield RULE.finding(where or common[group],
                            f"{what} in {len(dtype_counts)} dtypes: {text}", ctx,
                            dtypes=dict(dtype_counts), files=minority[group])
+
+
+def _group(s) -> tuple:
+    return (s.role, s.family, CONTAINER.get(s.format, s.format),
+            slot(s.path) if s.role == TEXT else None)
 
 
 RULE = Rule(

@@ -24,13 +24,12 @@ CD305 error cache/text/flux/10f34c853ae35b374b489315e55183a4-flux.pt
 
 from __future__ import annotations
 
-import os
 import re
 from collections import Counter
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
-from cachedoctor.formats.shard_blobs import BLOB_PATTERN
+from cachedoctor.formats.shard_blobs import encoder_slot as slot
 from cachedoctor.inventory import TEXT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
@@ -52,13 +51,6 @@ def describe(theirs: tuple, ours: tuple) -> str:
     if missing := [k for k in other if k not in mine]:
         parts.append(f"lacks {', '.join(missing)}")
     return "; ".join(parts)
-
-
-def slot(path: str) -> str | None:
-    """The text encoder a diffusion-pipe blob belongs to (its `text_embeddings_<i>` folder):
-    the embeddings of different encoders differ by design. None for any other file."""
-    blob = BLOB_PATTERN.match(path)
-    return os.path.basename(os.path.dirname(blob["shard"])) if blob else None
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:

@@ -264,6 +264,14 @@ class BlobSource:
         return self._shard.pread(self._start + offset, end - offset)
 
 
+def encoder_slot(path: str) -> str | None:
+    """The folder of the cache a blob path is in (`text_embeddings_1`): diffusion-pipe keeps
+    one text cache per text encoder, whose embeddings differ by design. None for any other
+    path."""
+    blob = BLOB_PATTERN.match(path)
+    return os.path.basename(os.path.dirname(blob["shard"])) if blob else None
+
+
 def blob_path(shard: str, offset: int) -> str:
     return f"{shard}@{offset}"
 

@@ -74,7 +74,7 @@ def test_blobs_get_every_file_rule(tmp_path: Path) -> None:
     assert by_code(report, "CD101") == []
 
 
-def test_each_text_encoder_s_cache_is_compared_with_its_own(tmp_path: Path) -> None:
+def test_each_text_encoder_s_cache_is_compared_with_its_own_kind(tmp_path: Path) -> None:
     """diffusion-pipe keeps text_embeddings_<i>/ per text encoder: their keys differ by design
     (no CD305), but a blob unlike the others of its own encoder is CD305."""
     import torch
@@ -83,12 +83,19 @@ def test_each_text_encoder_s_cache_is_compared_with_its_own(tmp_path: Path) -> N
     clip = [{"clip_l": torch.randn(77, 32).to(torch.bfloat16)} for _ in range(4)]
     for bucket in sorted(dp.cache_of(project).glob("cache_*")):
         dp.write_cache(bucket / "text_embeddings_1", clip)
+    llm = [{"llm_embed": torch.randn(20, 48), "mask": torch.ones(20, dtype=torch.bool)}] * 4
+    for bucket in sorted(dp.cache_of(project).glob("cache_*")):
+        dp.write_cache(bucket / "text_embeddings_2", llm)  # float32 beside bfloat16: by design
     assert serious(scan_paths(project.config)) == []
     odd = dp.cache_of(project) / dp.bucket_dir(128, 128) / "text_embeddings_1"
     dp.write_cache(odd, [{"clip_l": torch.randn(77, 48).to(torch.bfloat16)}])  # a later pass
     rows = dp.shard_rows(odd, 1)
     assert [(f.code, f.path) for f in serious(scan_paths(project.config))] == [
         ("CD305", f"{odd / 'shard_1.bin'}@{rows[0][0]}")]
+    dp.write_cache(odd, [{"clip_l": torch.randn(77, 32)}])  # float32 among bfloat16
+    (mixed,) = by_code(scan_paths(project.config), "CD304")
+    assert "(text_embeddings_1)" in mixed.message
+    assert mixed.details["files"] == [f"{odd / 'shard_2.bin'}@0"]
 
 
 class Hostile:
