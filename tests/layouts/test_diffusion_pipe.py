@@ -98,6 +98,20 @@ def test_each_text_encoder_s_cache_is_compared_with_its_own_kind(tmp_path: Path)
     assert mixed.details["files"] == [f"{odd / 'shard_2.bin'}@0"]
 
 
+def test_deep_finds_a_flipped_byte_inside_a_blob(tmp_path: Path) -> None:
+    project = dp.build(tmp_path)
+    folder = latents_of(project)
+    offset, size = dp.shard_rows(folder, 0)[1]
+    with open(folder / "shard_0.bin", "r+b") as f:  # inside the tensor bytes of the second blob
+        f.seek(offset + size // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + size // 2)
+        f.write(bytes([byte ^ 0xFF]))
+    assert serious(scan_paths(project.config)) == []  # metadata only: the flip is in the data
+    assert [(f.code, f.path) for f in serious(scan_paths(project.config, deep=True))] == [
+        ("CD103", f"{folder / 'shard_0.bin'}@{offset}")]
+
+
 class Hostile:
     """Any class outside torch's allow-list: torch.save pickles a GLOBAL naming it."""
 
