@@ -108,7 +108,8 @@ def read_index(path: str) -> ShardIndex:
     if magic != SQLITE_MAGIC:
         why = "it is empty" if not magic else f"it starts with {magic[:8].hex(' ')}"
         return ShardIndex(path, error=f"no SQLite database: {why}")
-    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro&immutable=1"
+    # (bytes: a name that is no UTF-8, kept by surrogateescape, is percent-encoded as it is)
+    uri = "file:" + urllib.parse.quote(os.fsencode(os.path.abspath(path))) + "?mode=ro&immutable=1"
     try:
         con = sqlite3.connect(uri, uri=True, timeout=0)
     except (sqlite3.Error, ValueError) as exc:

@@ -184,6 +184,13 @@ def test_a_fifo_named_metadata_db_does_not_hang(tmp_path: Path) -> None:
     assert index.error == "not a regular file"
 
 
+def test_a_folder_name_that_is_no_utf8(tmp_path: Path) -> None:
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9 %41?x#"))
+    folder = dp.write_cache(odd / "latents", [dp.latent(64, 64, 0)])
+    index = shard_blobs.read_index(str(folder / "metadata.db"))
+    assert index.error is None and index.items == 1
+
+
 def test_rows_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shard_blobs, "MAX_ROWS", 10)
     shard_blobs._indexes.clear()
