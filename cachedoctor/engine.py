@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from cachedoctor import sharded
 from cachedoctor.checks import RULES
 from cachedoctor.checks import checker_error as crash
 from cachedoctor.findings import Finding, Report
@@ -144,13 +145,13 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
     _scope_verdicts(options, rules, datasets)
-    for entry in batch.entries(options.exclude):
+    for entry, given in sharded.expand(batch.entries(options.exclude), deep):
         files += 1
         if options.keep_paths:
             paths.append(entry.path)
         # A reader or rule that raises costs that file a CD002 finding, never the scan.
         try:
-            meta = read_entry(entry, deep)
+            meta = given if given is not None else read_entry(entry, deep)
         except Exception as exc:
             findings.append(crash.failed(entry.path, "reading it", exc, entry.dataset))
             meta = FileMeta(entry.path, 0, UNREADABLE, errors=("not read",))

@@ -25,6 +25,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from cachedoctor.formats.meta import FileMeta, TensorMeta
+from cachedoctor.formats.shard_blobs import encoder_slot
 from cachedoctor.inventory import LATENT, TEXT, Entry
 from cachedoctor.layouts.base import text_family
 
@@ -166,7 +167,9 @@ def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
     if facts is not None and held.role == LATENT:
         bucket, expected, family = facts.bucket, facts.expected, facts.family
     elif held.role == TEXT:
-        family = text_family(entry.path[entry.path.rfind(os.sep) + 1:])
+        # a diffusion-pipe blob's text encoder (text_embeddings_<i>/) is its family: each encoder
+        # has a sharded cache of its own, whose embeddings differ from the others' by design
+        family = text_family(entry.path[entry.path.rfind(os.sep) + 1:]) or encoder_slot(entry.path)
     return FileSummary(entry.path, entry.dataset, bucket, held.role, meta.format, meta.size,
                        meta.mtime, held.shape, held.dtype, held.signature, held.locations,
                        expected, family, group)

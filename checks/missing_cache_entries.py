@@ -7,14 +7,18 @@ lists (every image, before the first bucket scan) unless `vae_cache_ondemand` or
 `<stem>.npz` beside it); OneTrainer for every image of an enabled concept (an entry in some
 `aggregate.pt`), unless it clears its cache at each start; ai-toolkit with
 `cache_latents_to_disk`, for every image (a `_latent_cache/<stem>_<hash>.safetensors` whose
-header names it; with a list of resolutions, one per distinct bucket they give the image).
+header names it; with a list of resolutions, one per distinct bucket they give the image). In a
+diffusion-pipe cache, it reports the shards that `metadata.db`'s items point at but that are
+missing (no `shard_<n>.bin`, or no `shard_<n>` offsets table).
 
 ## Why is this bad?
 A partial cache is what a caching pass that died (out of memory, SimpleTuner #859), a cache
 cleared by another rank (`vae_cache_clear_each_epoch`, CD403), or a skipped discovery
 (`skip_file_discovery=vae`) leaves. SimpleTuner then stops mid-training with `Some images were
 not correctly cached during the VAE Cache operations`; other trainers encode on the fly, at the
-cost of a slow first epoch and a VAE kept in memory.
+cost of a slow first epoch and a VAE kept in memory. diffusion-pipe counts its items and, finding
+as many as the dataset has rows, trusts the cache: it fails with `FileNotFoundError` on the first
+item of a missing shard, mid-training.
 
 ## Example
 ```
@@ -26,7 +30,9 @@ CD404 error datasets/photos/beach_0042.png  no cached latent: 4c1f…9e.pt is mi
 own naming, bucket and format (SimpleTuner, kohya, ai-toolkit, and OneTrainer samples its
 `aggregate.pt` lists); or let the trainer's caching pass run again (with SimpleTuner, without
 `skip_file_discovery=vae`). OneTrainer pairs image and text cache entries by sample number, so
-an image no `aggregate.pt` lists needs its caching pass: clear that concept's cache.
+an image no `aggregate.pt` lists needs its caching pass: clear that concept's cache. A
+diffusion-pipe cache folder (`metadata.db` and every `shard_<n>.bin`) is quarantined as a whole:
+its items are positional, so diffusion-pipe rebuilds the folder.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity, display_path
+from cachedoctor.formats.meta import FileMeta
+from cachedoctor.formats.shard_blobs import INDEX_FORMAT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -49,6 +57,18 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
                            cache_dir=facts.latent_cache_dir)
 
 
+def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+    missing = meta.metadata.get("missing_shards") if meta.format == INDEX_FORMAT else None
+    if not missing:
+        return None
+    shards = [f"shard_{n}.bin" for n in missing.split(",")]
+    items = int(meta.metadata.get("missing_items", "0"))
+    return RULE.finding(meta.path, f"{items:,} items point at {', '.join(shards[:5])}"
+                        f"{' …' if len(shards) > 5 else ''}, which "
+                        f"{'is' if len(shards) == 1 else 'are'} missing (file or offsets table)",
+                        ctx, fix="quarantine", shards=shards, missing_items=items)
+
+
 RULE = Rule(
     code="CD404",
     name="missing-cache-entries",
@@ -57,4 +77,5 @@ RULE = Rule(
     doc=__doc__,
     fix="reencode",
     check_dataset=check_dataset,
+    check_file=check_file,
 )

@@ -2,8 +2,9 @@
 Reports cache files of another architecture in a cache directory that holds mostly one: a
 FLUX Kontext latent (`…_fk.safetensors`) among Qwen-Image ones (`…_qi.safetensors`). The
 architecture is the one the file name says (musubi-tuner's `<stem>_<W>x<H>_<arch>` and
-`<stem>_<arch>_te`, kohya's `<stem>_<W>x<H>_<arch>.npz`); caches of several architectures in
-separate directories are fine.
+`<stem>_<arch>_te` safetensors); caches of several architectures in separate directories are
+fine. kohya's npz are not judged: kohya keeps every model's cache beside the images by design
+(`<stem>_<W>x<H>_sdxl.npz` next to `_flux.npz`), and reads only its own architecture's.
 
 ## Why is this bad?
 One cache directory is one dataset's cache for one model. Two caching passes for different
@@ -33,25 +34,30 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.formats.meta import SAFETENSORS
 from cachedoctor.inventory import LATENT, TEXT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
 
+def _judged(role: str, fmt: str, family: str | None) -> bool:
+    return role in (LATENT, TEXT) and fmt == SAFETENSORS and family is not None
+
+
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    families = {g.family for g in view.tally() if g.role in (LATENT, TEXT) and g.family}
+    families = {g.family for g in view.tally() if _judged(g.role, g.format, g.family)}
     if len(families) < 2:
         return
     by_dir: dict[str, Counter] = defaultdict(Counter)
     for s in view:
-        if s.role in (LATENT, TEXT) and s.family:
+        if _judged(s.role, s.format, s.family):
             by_dir[os.path.dirname(s.path)][s.family] += 1
     mixed = {d: c for d, c in by_dir.items() if len(c) > 1}
     if not mixed:
         return
     for s in view:
         counts = mixed.get(os.path.dirname(s.path))
-        if counts is None or s.role not in (LATENT, TEXT) or not s.family:
+        if counts is None or not _judged(s.role, s.format, s.family):
             continue
         major, n = counts.most_common(1)[0]
         if s.family == major:

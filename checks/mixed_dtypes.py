@@ -8,6 +8,8 @@ formats apart (kohya's npz is always float32, whatever the torch files beside it
 finding per dataset: with a clear majority (at least 2/3 of the files) it lists the files of the
 other dtypes; below that it names both sides of the split.
 
+The `text_embeddings_<i>/` caches of diffusion-pipe (one per text encoder) are judged apart.
+
 ## Why is this bad?
 Files of one cache should come from one encoder at one precision. Mixed dtypes mean two runs
 (a different `--vae_dtype` or mixed precision, another machine) wrote into one cache, so the

@@ -4,9 +4,11 @@ Reports text-embedding files whose keys or feature sizes differ from the rest of
 with `pooled_prompt_embeds` among files without. Sequence lengths (masks, token ids) may vary
 and are not compared. Only embeddings of one dataset are compared (a trainer config's text
 cache; in a bare tree, each folder of cache files), of one model family where the names tell
-it (SimpleTuner's `-<family>.pt`, kohya's `_<arch>_te.npz` beside `_te_outputs.npz`), and a
-file is reported only when the other signature holds a clear majority (at least 2/3 of the
-embeddings). Below that the split is one warning naming both sides, and `fix` leaves it alone.
+it (SimpleTuner's `-<family>.pt`, kohya's `_<arch>_te.npz` beside `_te_outputs.npz`, musubi's
+`_<arch>_te.safetensors`; diffusion-pipe's `text_embeddings_<i>/`, one sharded cache per text
+encoder), and a file is reported only when the other signature holds a clear majority (at least
+2/3 of the embeddings). Below that the split is one warning naming both sides, and `fix` leaves
+it alone.
 
 ## Why is this bad?
 The embeddings of one cache feed one model: files of another text encoder (another model
@@ -73,6 +75,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     if not verdicts:
         return
     split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
+
     for s in view:
         verdict = verdicts.get((s.group, s.family)) if s.role == TEXT and s.signature else None
         if verdict is None:

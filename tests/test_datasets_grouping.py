@@ -8,6 +8,7 @@ is reported in that dataset only."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -185,18 +186,32 @@ def test_agreeing_files_give_no_verdict() -> None:
 
 
 def _fixable(report) -> set[tuple[str, str]]:
-    """(file, code) of every file a finding with a fix names: its path, or for a finding on a
-    folder (CD502 over a cache) the files its details list."""
+    """(file, code) of every file a finding that a default `fix` acts on (warning and above,
+    reclaim.acted_on) names: its path, or for a finding on a folder (CD502 over a cache) the
+    files its details list."""
+    from cachedoctor.reclaim import acted_on
+
     out = set()
     for f in report.findings:
-        if f.fix in ("quarantine", "compact", "to-cpu"):
+        if f.fix in ("quarantine", "compact", "to-cpu") and acted_on(f):
             files = f.details.get("files") if Path(f.path).is_dir() else None
             out |= {(str(p), f.code) for p in files or [f.path]}
     return out
 
 
 def _planned(plan) -> set[tuple[str, str]]:
-    return {(a.path, code) for a in plan.actions for code in a.codes}
+    """What the plan does for findings; the companions a layout adds (a OneTrainer folder's
+    aggregate.pt, moved so that mgds caches it again) are checked by _companions."""
+    return {(a.path, code) for a in plan.actions if not a.why for code in a.codes}
+
+
+def _companions(plan) -> None:
+    """Each companion action goes with a planned action in its own folder, for its codes."""
+    for a in plan.actions:
+        if a.why:
+            beside = [b for b in plan.actions if not b.why and os.path.dirname(b.path) ==
+                      os.path.dirname(a.path)]
+            assert beside and set(a.codes) <= {c for b in beside for c in b.codes}, a
 
 
 @pytest.mark.parametrize(("name", "dataset", "code"), PLANTS,
@@ -210,7 +225,8 @@ def test_scan_and_fix_decide_alike(name: str, dataset: str, code: str, tmp_path:
     skipped = {(n.path, n.code) for n in plan.notes if n.skipped}
     assert _planned(plan) == _fixable(report) - skipped
     assert not skipped
-    assert {a.path for a in plan.actions} <= {f.path for f in report.findings}
+    assert {a.path for a in plan.actions if not a.why} <= {f.path for f in report.findings}
+    _companions(plan)
 
 
 def test_scan_and_fix_decide_alike_on_the_tie_of_issue_12(tmp_path: Path) -> None:

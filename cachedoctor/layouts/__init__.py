@@ -18,13 +18,25 @@ import dataclasses
 import os
 from collections.abc import Iterable
 
-from cachedoctor.layouts import aitoolkit, bare, kohya, musubi, onetrainer, simpletuner, sources
+from cachedoctor.layouts import (
+    aitoolkit,
+    bare,
+    diffusion_pipe,
+    kohya,
+    musubi,
+    onetrainer,
+    simpletuner,
+    sources,
+)
 from cachedoctor.layouts.base import ConfigProblem, Dataset, Layout, Origin, TargetError
 from cachedoctor.layouts.common import one_listing_each, unique
 
 __all__ = ["LAYOUTS", "ConfigProblem", "Dataset", "Layout", "Origin", "TargetError", "resolve"]
 
+# diffusion-pipe first: its claim is the narrowest (a `dataset` path and a [model] table), and
+# SimpleTuner would take any config.toml with an output_dir
 LAYOUTS = {
+    diffusion_pipe.NAME: diffusion_pipe,
     simpletuner.NAME: simpletuner,
     onetrainer.NAME: onetrainer,
     musubi.NAME: musubi,  # before kohya: both read TOMLs with [[datasets]]

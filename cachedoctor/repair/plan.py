@@ -22,8 +22,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from cachedoctor import reclaim
-from cachedoctor.checks import missing_cache_entries
+from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
+from cachedoctor.formats.shard_blobs import unit_files
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.layouts.onetrainer import REBUILT, rebuilds
@@ -167,6 +168,9 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
                 missing.append(finding)
         elif finding.fix not in (QUARANTINE, COMPACT, TO_CPU):
             notes.append(_skip(finding.code, finding.path, f"no automatic {finding.fix} in this version"))
+        elif finding.fix != QUARANTINE and unit_files(finding.path) is not None:
+            notes.append(_skip(finding.code, finding.path, "a blob in a diffusion-pipe shard: "
+                               "never rewritten in place (quarantine its cache folder to rebuild it)"))
         elif reclaim.young_temp(finding):
             notes.append(_skip(finding.code, finding.path, "written in the last minutes: its writer may "
                                "still be running (moving it would break its rename); stop it first"))
@@ -186,7 +190,13 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
 
 
 def _files_of(finding: Finding) -> list[str]:
-    """A finding on a dir (CD502 over a cache) lists its files in details["files"]."""
+    """A finding on a dir (CD502 over a cache) lists its files in details["files"]; one on a
+    part of a diffusion-pipe cache (a blob, a shard, metadata.db) names the whole folder, which
+    diffusion-pipe rebuilds together (its items are positional)."""
+    # (a shard no offsets table locates is no item's: it goes alone, as any interrupted write)
+    unit = unit_files(finding.path) if finding.code != interrupted_write.RULE.code else None
+    if unit is not None:
+        return unit
     listed = finding.details.get("files")
     if listed and os.path.isdir(finding.path):
         return [str(p) for p in listed]
