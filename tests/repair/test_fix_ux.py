@@ -125,7 +125,7 @@ from cachedoctor.repair import atomic
 from cachedoctor.cli import main
 
 moves, after, sig = [0], int(sys.argv[1]), getattr(signal, sys.argv[2])
-real = atomic.move
+real = atomic.move_at
 
 def move(*args, **kwargs):  # the signal lands after `after` files moved, as the next one starts
     if moves[0] == after:
@@ -133,7 +133,7 @@ def move(*args, **kwargs):  # the signal lands after `after` files moved, as the
     moves[0] += 1
     return real(*args, **kwargs)
 
-atomic.move = move
+atomic.move_at = move
 sys.argv = ["cachedoctor", *sys.argv[3:]]
 main()
 """
