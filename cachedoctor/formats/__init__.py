@@ -2,9 +2,11 @@
 
 Formats are sniffed by their magic bytes; the file extension only breaks ties (a `.pt` of
 garbage is read as a broken torch file, a `.txt` of garbage as a foreign file). Every reader
-is a module with `read(src, path, deep) -> FileMeta` registered in READERS; zip-based readers
-also take the parsed central directory. No reader raises for bad input: what is broken comes
-back in `FileMeta.errors`.
+is a module with `read(src, path, deep) -> FileMeta` (the Reader protocol) registered in
+READERS by the format sniff() names, so a new format is one module plus one line there.
+Zip-based readers also take the parsed central directory (ZipReader); _read_zip picks one by
+the member names. No reader raises for bad input: what is broken comes back in
+`FileMeta.errors`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+from typing import Protocol, runtime_checkable
 
 from cachedoctor.formats import (
     arrow_ipc,
@@ -44,19 +47,34 @@ from cachedoctor.formats.meta import (
 )
 from cachedoctor.formats.source import BytesSource, Source, open_source
 from cachedoctor.formats.zip_templates import Templates
-from cachedoctor.formats.zipdir import ZipError, read_directory
+from cachedoctor.formats.zipdir import ZipDirectory, ZipError, read_directory
 
 UNREADABLE = "unreadable"  # the file could not be opened or read at all (permissions, I/O)
 GZIP = "gzip"
 
-READERS = {
+
+@runtime_checkable
+class Reader(Protocol):
+    """A reader module: one file's bytes in, its FileMeta out; never raises for bad input."""
+
+    def read(self, src: Source, path: str, deep: bool) -> FileMeta: ...
+
+
+@runtime_checkable
+class ZipReader(Protocol):
+    """A reader of a zip's members, given the central directory already parsed."""
+
+    def read(self, src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta: ...
+
+
+READERS: dict[str, Reader] = {
     TORCH_LEGACY: torch_legacy,
     PICKLE: torch_legacy,
     SAFETENSORS: safetensors_header,
     NPY: numpy_npy,
     ARROW: arrow_ipc,
 }
-ZIP_READERS = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
+ZIP_READERS: dict[str, ZipReader] = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
 
 # Extensions that promise a cache format: garbage under one of these names is a broken cache
 # file (CD101), garbage under any other name is a foreign file (CD107).
