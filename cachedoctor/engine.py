@@ -435,8 +435,14 @@ def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,
     send.close()
 
 
-def count_files(layouts: Iterable[Layout], options: ScanOptions) -> int:
-    return sum(len(b.names) + len(b.errors) for b in plan(layouts, options))
+def _counted(batches_: Iterable[Batch], on_listed: Callable[[int], None]) -> Iterator[Batch]:
+    """`batches_`, telling `on_listed` how many files the walk has listed so far as it goes:
+    a progress bar's total, from the one walk that feeds the readers."""
+    listed = 0
+    for batch in batches_:
+        listed += len(batch.names) + len(batch.errors)
+        on_listed(listed)
+        yield batch
 
 
 @dataclass
@@ -456,14 +462,21 @@ def datasets_of(layouts: Iterable[Layout]) -> dict[str, Dataset]:
 
 
 def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rule],
-                    on_progress: Callable[[int], None] | None = None) -> FilePhase:
+                    on_progress: Callable[[int], None] | None = None,
+                    on_listed: Callable[[int], None] | None = None) -> FilePhase:
+    """Every file of the layouts read and checked, in one walk. `on_listed(n)`: the walk has
+    listed n files so far (it runs a few batches ahead of the readers); `on_progress(n)`: n
+    more files were checked."""
     phase = FilePhase([], 0, 0, SummaryStore())
     datasets = datasets_of(layouts)
     listing = options.shard is None or options.shard[0] == 0  # sharded: rank 0 lists, once
     for dataset in datasets.values() if listing else ():  # the trainer's metadata, for CD405
         phase.store.add_coverage([(dataset.id, LISTED_SIDE, None, path, 0.0, 0, None)
                                   for path in dataset.listed_images])
-    for result in check_files(plan(layouts, options), options, rules, datasets):
+    batches_ = plan(layouts, options)
+    if on_listed is not None:
+        batches_ = _counted(batches_, on_listed)
+    for result in check_files(batches_, options, rules, datasets):
         phase.files += result.files
         phase.bytes += result.bytes
         phase.findings.extend(result.findings)
@@ -546,18 +559,45 @@ def conclude(targets: tuple[str, ...], layouts: list[Layout], options: ScanOptio
     return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)
 
 
+class Scope(NamedTuple):
+    """What a scan reads and how: its targets, their layouts, its options and rules."""
+
+    targets: tuple[str, ...]
+    layouts: list[Layout]
+    options: ScanOptions
+    rules: list[Rule]
+
+
+# A scan's three steps. scan() runs them in turn; a sharded preflight (api._sharded) runs the
+# first two on every rank and the last over every rank's phase merged.
+def begin(targets: Iterable[str], options: ScanOptions) -> Scope:
+    """The layouts of `targets` and the rules `options` select. Raises TargetError."""
+    targets = tuple(targets)
+    return Scope(targets, resolve(targets), options, selected_rules(options))
+
+
+def read_files(scope: Scope, on_progress: Callable[[int], None] | None = None,
+               on_listed: Callable[[int], None] | None = None) -> FilePhase:
+    """Every file of the scope read and checked (only this rank's share, when sharded)."""
+    return check_all_files(scope.layouts, scope.options, scope.rules, on_progress, on_listed)
+
+
+def finish(scope: Scope, phase: FilePhase) -> Report:
+    """The layout and dataset rules over a finished file phase (closing its store): the
+    report."""
+    return conclude(scope.targets, scope.layouts, scope.options, scope.rules, phase)
+
+
 def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
          on_start: Callable[[int | None], None] | None = None,
          on_progress: Callable[[int], None] | None = None) -> Report:
-    """Scan `targets` (dirs, files or trainer configs). Raises TargetError for a bad target."""
-    options = options or ScanOptions()
-    targets = tuple(targets)
-    layouts = resolve(targets)
-    rules = selected_rules(options)
-    if on_start is not None:
-        on_start(count_files(layouts, options))
-    phase = check_all_files(layouts, options, rules, on_progress)
-    return conclude(targets, layouts, options, rules, phase)
+    """Scan `targets` (dirs, files or trainer configs). Raises TargetError for a bad target.
+
+    The tree is walked once: `on_start(n)` is called as the walk lists files, with the number
+    listed so far (a progress bar's total, which grows until the walk is done), and
+    `on_progress(n)` as each n more files are checked."""
+    scope = begin(targets, options or ScanOptions())
+    return finish(scope, read_files(scope, on_progress, on_start))
 
 
 def _with_severity(finding: Finding, options: ScanOptions) -> Finding:
