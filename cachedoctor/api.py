@@ -156,7 +156,6 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | Non
              options: dict[str, Any]) -> tuple[Report, configuration.Policy]:
     from cachedoctor import engine
     from cachedoctor.baseline import Baseline
-    from cachedoctor.layouts import resolve
     from cachedoctor.summary import SummaryStore
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -166,10 +165,9 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | Non
         options.setdefault("jobs", _jobs_per_rank())
         policy = resolve_policy(fail_on=fail_on, **options)
         baseline = Baseline.load(policy.baseline) if policy.baseline else None
-        layouts = resolve(targets)
-        sharded = dataclasses.replace(policy.options, shard=(rank, world))
-        rules = engine.selected_rules(sharded)
-        phase = engine.check_all_files(layouts, sharded, rules)
+        # engine.scan's steps, with the file phase of this rank's share only
+        scope = engine.begin(targets, dataclasses.replace(policy.options, shard=(rank, world)))
+        phase = engine.read_files(scope)
         try:
             rows, coverage = list(phase.store.rows()), list(phase.store.coverage_rows())
         finally:
@@ -192,6 +190,5 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | Non
         merged.store.add_coverage(coverage)
         merged.files += rank_files
         merged.bytes += rank_bytes
-    report = dataclasses.replace(engine.conclude(targets, layouts, policy.options, rules, merged),
-                                 policy=policy.applied)
+    report = dataclasses.replace(engine.finish(scope, merged), policy=policy.applied)
     return (baseline.apply(report).report if baseline else report), policy

@@ -201,14 +201,19 @@ def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
 
 
 class _Progress:
-    """A rich progress bar on stderr, shown only for more than a few hundred files."""
+    """A rich progress bar on stderr, shown once the scan has listed a few hundred files. Its
+    total is what the scan's one walk has listed so far: it grows until the walk is done."""
 
     def __init__(self, label: str = "Scanning") -> None:
         self._label = label
         self._bar = None
         self._task = None
+        self._done = 0  # files checked before the bar showed
 
     def start(self, total: int | None) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+            return
         if not total or total < PROGRESS_MIN_FILES:
             return
         from rich.console import Console
@@ -216,12 +221,14 @@ class _Progress:
 
         self._bar = Progress(self._label, BarColumn(), MofNCompleteColumn(), "files",
                              TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-        self._task = self._bar.add_task("scan", total=total)
+        self._task = self._bar.add_task("scan", total=total, completed=self._done)
         self._bar.start()
 
     def advance(self, n: int) -> None:
         if self._bar is not None:
             self._bar.advance(self._task, n)
+        else:
+            self._done += n
 
     def stop(self) -> None:
         if self._bar is not None:

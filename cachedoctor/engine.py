@@ -29,6 +29,7 @@ from cachedoctor.checks import checker_error as crash
 from cachedoctor.findings import Finding, Report
 from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
 from cachedoctor.formats.meta import EMPTY, IMAGE, UNKNOWN, FileMeta
+from cachedoctor.formats.zip_templates import Templates
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
 from cachedoctor.inventory import LATENT, TEXT, Batch, Entry, batches
 from cachedoctor.layouts import Dataset, Layout, resolve
@@ -68,9 +69,10 @@ def selected_rules(options: ScanOptions) -> list[Rule]:
     return [r for code, r in RULES.items() if options.enabled(code) and (options.deep or not r.deep)]
 
 
-def read_entry(entry: Entry, deep: bool) -> FileMeta:
-    """The FileMeta of one entry. Raises only when a reader has a bug (which the caller makes a
-    CD002 finding of): what is wrong with the file itself is in the FileMeta."""
+def read_entry(entry: Entry, deep: bool, templates: Templates | None = None) -> FileMeta:
+    """The FileMeta of one entry (with the scan's zip `templates`). Raises only when a reader
+    has a bug (which the caller makes a CD002 finding of): what is wrong with the file itself
+    is in the FileMeta."""
     if entry.error:
         return FileMeta(entry.path, 0, UNREADABLE, errors=(entry.error,))
     # Images are never cache files, and in an image dir only cache files are worth reading
@@ -82,19 +84,47 @@ def read_entry(entry: Entry, deep: bool) -> FileMeta:
             return FileMeta(entry.path, 0, UNREADABLE, errors=(describe_os_error(exc),))
         fmt = IMAGE if entry.role == IMAGE_ROLE else (EMPTY if st.st_size == 0 else UNKNOWN)
         return FileMeta(entry.path, st.st_size, fmt, mtime=st.st_mtime)
-    return read_path(entry.path, deep=deep)
+    return read_path(entry.path, deep=deep, templates=templates)
 
 
-def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
-                datasets: Mapping[str, Dataset] | None = None) -> ChunkResult:
+# What the file rules and summarize() made of a file whose facts later files share (FileMeta
+# .same_as), per role, area and dataset: those files get the same verdict, re-addressed,
+# instead of running every rule again. Rules may look at a latent's or text file's facts and
+# its entry, never its path or mtime (rule.py); other roles (temp files, images) always run.
+class _Verdict(NamedTuple):
+    same: FileMeta  # the file whose facts these are (held, so its id stays its own)
+    findings: list[Finding]
+    content: Content | None
+
+
+MAX_VERDICTS = 1024
+SHARED_ROLES = (LATENT, TEXT)
+
+
+@dataclass
+class ScanState:
+    """One scan's settings and what it learns while it reads: the zip templates and the
+    verdicts of files whose facts later files share. check_files makes one per scan, and each
+    worker process its own at start-up from the same settings (_init_worker), so two scans in
+    one process, in threads or one after another, never see each other's."""
+
+    options: ScanOptions
+    rules: list[Rule]
+    datasets: Mapping[str, Dataset]
+    templates: Templates = dataclasses.field(default_factory=Templates)
+    verdicts: dict[tuple, _Verdict] = dataclasses.field(default_factory=dict)
+
+
+def check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     """Read and check the files of one batch (in a worker process, or in-process)."""
+    options = state.options
     # The cyclic GC would run dozens of times per batch over objects that form no cycles
     # (about 10% of the scan); it runs again after the batch, so cycles a hostile pickle
     # builds are still freed, one batch at a time.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _check_batch(batch, options, rules, datasets)
+        return _check_batch(batch, state)
     except Exception as exc:  # outside any one file (the batch's naming): every file is unjudged
         entries = list(batch.entries(options.exclude))
         return ChunkResult(len(entries), 0, [crash.failed(e.path, "preparing its directory", exc,
@@ -105,53 +135,28 @@ def check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
             gc.enable()
 
 
-# What the file rules and summarize() made of a file whose facts later files share (FileMeta
-# .same_as), per role, area and dataset: those files get the same verdict, re-addressed,
-# instead of running every rule again. Rules may look at a latent's or text file's facts and
-# its entry, never its path or mtime (rule.py); other roles (temp files, images) always run.
-# Verdicts hold for one scan's options, rules and datasets (`_verdicts_for`, by identity).
-class _Verdict(NamedTuple):
-    same: FileMeta  # the file whose facts these are (held, so its id stays its own)
-    findings: list[Finding]
-    content: Content | None
-
-
-_verdicts: dict[tuple, _Verdict] = {}
-_verdicts_for: tuple = ()
-MAX_VERDICTS = 1024
-SHARED_ROLES = (LATENT, TEXT)
-
-
-def _scope_verdicts(*scan: object) -> None:
-    global _verdicts_for
-    if len(scan) != len(_verdicts_for) or any(
-            a is not b for a, b in zip(scan, _verdicts_for, strict=True)):
-        _verdicts.clear()
-        _verdicts_for = scan
-
-
-def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
-                 datasets: Mapping[str, Dataset] | None) -> ChunkResult:
+def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     findings: list[Finding] = []
     summaries = []
     paths: list[str] = []
     coverage: list[CoverageRow] = []
     nbytes = files = 0
-    checks = [(r.code, r.check_file) for r in rules if r.check_file is not None]
+    options, datasets, verdicts, templates = (state.options, state.datasets, state.verdicts,
+                                              state.templates)
+    checks = [(r.code, r.check_file) for r in state.rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
     naming = (dataset.naming if dataset else FOLDERS).directory(batch.directory, batch.bucket,
                                                                 batch.area)
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
-    _scope_verdicts(options, rules, datasets)
     for entry, given in sharded.expand(batch.entries(options.exclude), deep):
         files += 1
         if options.keep_paths:
             paths.append(entry.path)
         # A reader or rule that raises costs that file a CD002 finding, never the scan.
         try:
-            meta = given if given is not None else read_entry(entry, deep)
+            meta = given if given is not None else read_entry(entry, deep, templates)
         except Exception as exc:
             findings.append(crash.failed(entry.path, "reading it", exc, entry.dataset))
             meta = FileMeta(entry.path, 0, UNREADABLE, errors=("not read",))
@@ -165,13 +170,13 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
             pass  # its CD002 is its verdict: the rules would only judge the stand-in FileMeta
         elif same is not None and entry.role in SHARED_ROLES:
             seen = (id(same), meta.compression, entry.role, entry.area, entry.dataset, entry.bucket)
-            verdict = _verdicts.get(seen)
+            verdict = verdicts.get(seen)
             if verdict is None or verdict.same is not same:
                 verdict = _Verdict(same, _run(checks, meta, entry, deep, settings, dataset),
                                    _content(entry.role, meta))
-                if len(_verdicts) >= MAX_VERDICTS:
-                    _verdicts.clear()
-                _verdicts[seen] = verdict
+                if len(verdicts) >= MAX_VERDICTS:
+                    verdicts.clear()
+                verdicts[seen] = verdict
             for found in verdict.findings:
                 findings.append(found if found.path == meta.path
                                 else dataclasses.replace(found, path=meta.path))
@@ -248,15 +253,16 @@ def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mappi
     return found
 
 
-# The pool's workers get the options, rules and datasets once, at start-up, not with every
-# batch (with fork they are inherited, not even pickled).
-_worker_state: tuple[ScanOptions, list[Rule], Mapping[str, Dataset]] | None = None
+# The pool's workers get the options and datasets once, at start-up, not with every batch
+# (with fork they are inherited, not even pickled), and make the worker's ScanState of them.
+# A worker process serves one scan's pool only: this is that scan's state, not the module's.
+_worker_state: ScanState | None = None
 
 
 def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset]) -> None:
     global _worker_state
     _quiet_on_interrupt()
-    _worker_state = (options, selected_rules(options), datasets)
+    _worker_state = ScanState(options, selected_rules(options), datasets)
 
 
 def _quiet_on_interrupt() -> None:
@@ -269,7 +275,7 @@ def _quiet_on_interrupt() -> None:
 
 def _check_in_worker(batch: Batch) -> ChunkResult:
     assert _worker_state is not None
-    return check_batch(batch, *_worker_state)
+    return check_batch(batch, _worker_state)
 
 
 @dataclass
@@ -331,8 +337,9 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
     batches_ = iter(batches_)
     first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
     if options.jobs <= 1 or len(first) < IN_PROCESS_BATCHES:
+        state = ScanState(options, rules, datasets)
         for batch in itertools.chain(first, batches_):
-            yield check_batch(batch, options, rules, datasets)
+            yield check_batch(batch, state)
         return
     import multiprocessing  # only a scan big enough for a pool pays for importing it
 
@@ -423,14 +430,20 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
 def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,
                 datasets: Mapping[str, Dataset]) -> None:
     _quiet_on_interrupt()
-    rules = selected_rules(options)
+    state = ScanState(options, selected_rules(options), datasets)
     for single in singles[start:]:
-        send.send(check_batch(single, options, rules, datasets))
+        send.send(check_batch(single, state))
     send.close()
 
 
-def count_files(layouts: Iterable[Layout], options: ScanOptions) -> int:
-    return sum(len(b.names) + len(b.errors) for b in plan(layouts, options))
+def _counted(batches_: Iterable[Batch], on_listed: Callable[[int], None]) -> Iterator[Batch]:
+    """`batches_`, telling `on_listed` how many files the walk has listed so far as it goes:
+    a progress bar's total, from the one walk that feeds the readers."""
+    listed = 0
+    for batch in batches_:
+        listed += len(batch.names) + len(batch.errors)
+        on_listed(listed)
+        yield batch
 
 
 @dataclass
@@ -450,14 +463,21 @@ def datasets_of(layouts: Iterable[Layout]) -> dict[str, Dataset]:
 
 
 def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rule],
-                    on_progress: Callable[[int], None] | None = None) -> FilePhase:
+                    on_progress: Callable[[int], None] | None = None,
+                    on_listed: Callable[[int], None] | None = None) -> FilePhase:
+    """Every file of the layouts read and checked, in one walk. `on_listed(n)`: the walk has
+    listed n files so far (it runs a few batches ahead of the readers); `on_progress(n)`: n
+    more files were checked."""
     phase = FilePhase([], 0, 0, SummaryStore())
     datasets = datasets_of(layouts)
     listing = options.shard is None or options.shard[0] == 0  # sharded: rank 0 lists, once
     for dataset in datasets.values() if listing else ():  # the trainer's metadata, for CD405
         phase.store.add_coverage([(dataset.id, LISTED_SIDE, None, path, 0.0, 0, None)
                                   for path in dataset.listed_images])
-    for result in check_files(plan(layouts, options), options, rules, datasets):
+    batches_ = plan(layouts, options)
+    if on_listed is not None:
+        batches_ = _counted(batches_, on_listed)
+    for result in check_files(batches_, options, rules, datasets):
         phase.files += result.files
         phase.bytes += result.bytes
         phase.findings.extend(result.findings)
@@ -540,18 +560,45 @@ def conclude(targets: tuple[str, ...], layouts: list[Layout], options: ScanOptio
     return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)
 
 
+class Scope(NamedTuple):
+    """What a scan reads and how: its targets, their layouts, its options and rules."""
+
+    targets: tuple[str, ...]
+    layouts: list[Layout]
+    options: ScanOptions
+    rules: list[Rule]
+
+
+# A scan's three steps. scan() runs them in turn; a sharded preflight (api._sharded) runs the
+# first two on every rank and the last over every rank's phase merged.
+def begin(targets: Iterable[str], options: ScanOptions) -> Scope:
+    """The layouts of `targets` and the rules `options` select. Raises TargetError."""
+    targets = tuple(targets)
+    return Scope(targets, resolve(targets), options, selected_rules(options))
+
+
+def read_files(scope: Scope, on_progress: Callable[[int], None] | None = None,
+               on_listed: Callable[[int], None] | None = None) -> FilePhase:
+    """Every file of the scope read and checked (only this rank's share, when sharded)."""
+    return check_all_files(scope.layouts, scope.options, scope.rules, on_progress, on_listed)
+
+
+def finish(scope: Scope, phase: FilePhase) -> Report:
+    """The layout and dataset rules over a finished file phase (closing its store): the
+    report."""
+    return conclude(scope.targets, scope.layouts, scope.options, scope.rules, phase)
+
+
 def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
          on_start: Callable[[int | None], None] | None = None,
          on_progress: Callable[[int], None] | None = None) -> Report:
-    """Scan `targets` (dirs, files or trainer configs). Raises TargetError for a bad target."""
-    options = options or ScanOptions()
-    targets = tuple(targets)
-    layouts = resolve(targets)
-    rules = selected_rules(options)
-    if on_start is not None:
-        on_start(count_files(layouts, options))
-    phase = check_all_files(layouts, options, rules, on_progress)
-    return conclude(targets, layouts, options, rules, phase)
+    """Scan `targets` (dirs, files or trainer configs). Raises TargetError for a bad target.
+
+    The tree is walked once: `on_start(n)` is called as the walk lists files, with the number
+    listed so far (a progress bar's total, which grows until the walk is done), and
+    `on_progress(n)` as each n more files are checked."""
+    scope = begin(targets, options or ScanOptions())
+    return finish(scope, read_files(scope, on_progress, on_start))
 
 
 def _with_severity(finding: Finding, options: ScanOptions) -> Finding:

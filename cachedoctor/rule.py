@@ -4,7 +4,7 @@ A rule module holds its explanation as the module docstring and one `RULE = Rule
 A rule checks one file (`check_file(meta, ctx)`, run in the worker processes, returns its one
 finding or None: it runs for every file, so it must be cheap; for a latent or text file it
 judges the file's facts and entry, never its path or mtime, which it only names: the engine
-gives files with a twin's facts the twin's verdict, see engine._verdicts), a whole dataset
+gives files with a twin's facts the twin's verdict, see engine.ScanState), a whole dataset
 (`check_dataset(view, ctx)`, run once after the files are read, over compact per-file
 summaries and coverage rows, yields findings) and/or the trainer configs
 (`check_layouts(layouts, ctx)`, run once per scan in the main process over every Layout, so

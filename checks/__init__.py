@@ -1,6 +1,12 @@
 """The rule catalogue: one module per rule, registered here in one table.
 
 Codes are a public contract: never renumber, only add.
+
+This folder sits at the top of the repository, beside `cachedoctor/`, not inside it: that is
+the project's declared layout, since the rules (each with its explanation as docstring) are
+browsed and reviewed as files of their own. It installs as `cachedoctor.checks`: pyproject's
+`[tool.setuptools.package-dir]` maps the package to this folder, for `pip install .` and for
+`pip install -e .` alike, so code imports it only by that name.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ def main(rank: int, world: int, store: str, cache: str, out: str) -> None:
     read: list[str] = []
     real_read = engine.read_entry
 
-    def spy(entry, deep):
+    def spy(entry, deep, *rest):
         read.append(entry.path)
-        return real_read(entry, deep)
+        return real_read(entry, deep, *rest)
 
     engine.read_entry = spy
     seen: dict = {"rank": rank}
@@ -48,10 +48,10 @@ def main(rank: int, world: int, store: str, cache: str, out: str) -> None:
         seen["failure"] = [type(exc).__name__, str(exc), getattr(exc, "__notes__", [])]
     engine.check_all_files = real_check_all_files
 
-    def buggy_reader(entry, deep):  # on whichever rank reads it: a finding, not an error
+    def buggy_reader(entry, deep, *rest):  # on whichever rank reads it: a finding, not an error
         if entry.path.endswith("empty_file.pt"):
             raise OverflowError("int too large to convert")
-        return real_read(entry, deep)
+        return real_read(entry, deep, *rest)
 
     engine.read_entry = buggy_reader
     try:

@@ -46,10 +46,10 @@ def _evil(cache: Path, tmp_path: Path) -> Path:
 def _raising_on(name: str, exc: BaseException):
     real = engine.read_entry
 
-    def read(entry, deep):
+    def read(entry, deep, *rest):
         if os.path.basename(entry.path) == name:
             raise exc
-        return real(entry, deep)
+        return real(entry, deep, *rest)
 
     return read
 
@@ -145,10 +145,10 @@ def test_a_worker_killed_on_one_file_loses_no_other_verdict(cache: Path, tmp_pat
     parent = os.getpid()
     real = engine.read_entry
 
-    def read(entry, deep):  # the out-of-memory killer, in a worker only
+    def read(entry, deep, *rest):  # the out-of-memory killer, in a worker only
         if os.path.basename(entry.path) == "latent_007.pt" and os.getpid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(entry, deep)
+        return real(entry, deep, *rest)
 
     monkeypatch.setattr(engine, "read_entry", read)
     report = scan_paths(cache, jobs=2, keep_paths=True)

@@ -12,6 +12,7 @@ import pytest
 from cachedoctor.checks import RULES
 from cachedoctor.fixtures import BUILDERS, clean
 from cachedoctor.formats import read_path
+from cachedoctor.formats.zip_templates import Templates
 from cachedoctor.inventory import LATENT, TEXT, Entry
 from cachedoctor.rule import RuleContext
 
@@ -39,7 +40,8 @@ def test_every_twin_gets_its_own_finding(cache: Path, monkeypatch) -> None:
     import cachedoctor.engine as engine
 
     paths = retained_twins(cache)
-    metas = [read_path(str(p)) for p in paths]
+    templates = Templates()  # what one scan learns as it reads
+    metas = [read_path(str(p), templates=templates) for p in paths]
     assert sum(m.same_as is not None for m in metas) == len(paths) - 4  # all but a row's first
     report = scan_paths(cache)
     fired = by_code(report, "CD201")
@@ -95,7 +97,8 @@ def test_gzip_wrapped_twins_are_judged_as_gzip_files(cache: Path, monkeypatch) -
     paths = retained_twins(cache, batches=2)
     for path in paths[::2]:  # every other file gzip-wrapped, as SimpleTuner writes them
         path.write_bytes(gzip.compress(path.read_bytes(), mtime=0))
-    metas = [read_path(str(p)) for p in paths]
+    templates = Templates()
+    metas = [read_path(str(p), templates=templates) for p in paths]
     assert {m.compression for m in metas if m.same_as is not None} == {None, "gzip"}
     report = scan_paths(cache)
     assert len(by_code(report, "CD201")) == len(paths)
@@ -108,8 +111,9 @@ def test_a_twin_gets_its_own_mtime(tmp_path: Path) -> None:
     for path, when in ((first, 1_000_000), (second, 2_000_000)):
         torch.save(torch.ones(4, 8, 8).half(), path)
         os.utime(path, (when, when))
-    assert read_path(str(first)).mtime == 1_000_000
-    twin = read_path(str(second))
+    templates = Templates()
+    assert read_path(str(first), templates=templates).mtime == 1_000_000
+    twin = read_path(str(second), templates=templates)
     assert twin.same_as is not None and twin.mtime == 2_000_000
     assert twin.same_as.renamed("x").mtime == 0.0
 

@@ -2,9 +2,11 @@
 
 Formats are sniffed by their magic bytes; the file extension only breaks ties (a `.pt` of
 garbage is read as a broken torch file, a `.txt` of garbage as a foreign file). Every reader
-is a module with `read(src, path, deep) -> FileMeta` registered in READERS; zip-based readers
-also take the parsed central directory. No reader raises for bad input: what is broken comes
-back in `FileMeta.errors`.
+is a module with `read(src, path, deep) -> FileMeta` (the Reader protocol) registered in
+READERS by the format sniff() names, so a new format is one module plus one line there.
+Zip-based readers also take the parsed central directory (ZipReader); _read_zip picks one by
+the member names. No reader raises for bad input: what is broken comes back in
+`FileMeta.errors`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+from typing import Protocol, runtime_checkable
 
 from cachedoctor.formats import (
     arrow_ipc,
@@ -43,19 +46,35 @@ from cachedoctor.formats.meta import (
     FileMeta,
 )
 from cachedoctor.formats.source import BytesSource, Source, open_source
-from cachedoctor.formats.zipdir import ZipError, read_directory
+from cachedoctor.formats.zip_templates import Templates
+from cachedoctor.formats.zipdir import ZipDirectory, ZipError, read_directory
 
 UNREADABLE = "unreadable"  # the file could not be opened or read at all (permissions, I/O)
 GZIP = "gzip"
 
-READERS = {
+
+@runtime_checkable
+class Reader(Protocol):
+    """A reader module: one file's bytes in, its FileMeta out; never raises for bad input."""
+
+    def read(self, src: Source, path: str, deep: bool) -> FileMeta: ...
+
+
+@runtime_checkable
+class ZipReader(Protocol):
+    """A reader of a zip's members, given the central directory already parsed."""
+
+    def read(self, src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta: ...
+
+
+READERS: dict[str, Reader] = {
     TORCH_LEGACY: torch_legacy,
     PICKLE: torch_legacy,
     SAFETENSORS: safetensors_header,
     NPY: numpy_npy,
     ARROW: arrow_ipc,
 }
-ZIP_READERS = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
+ZIP_READERS: dict[str, ZipReader] = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
 
 # Extensions that promise a cache format: garbage under one of these names is a broken cache
 # file (CD101), garbage under any other name is a foreign file (CD107).
@@ -117,15 +136,16 @@ def sniff(head: bytes, size: int) -> str:
     return JSON if text.lstrip()[:1] in ("{", "[") else TEXT
 
 
-def read_path(path: str, *, deep: bool = False) -> FileMeta:
-    """Read one file's metadata; I/O failures come back as format UNREADABLE."""
+def read_path(path: str, *, deep: bool = False, templates: Templates | None = None) -> FileMeta:
+    """Read one file's metadata; I/O failures come back as format UNREADABLE. A scan passes
+    its `templates` (zip_templates), which this read may match and learn from."""
     try:
         # a file the size of a torch layout seen before: only the bytes that decide it are read
-        fd, src = open_source(path, None if deep else zip_templates.spans)
+        fd, src = open_source(path, None if deep or templates is None else templates.spans)
     except OSError as exc:
         return FileMeta(path, 0, UNREADABLE, errors=(describe_os_error(exc),))
     try:
-        meta = read_source(src, path, deep=deep)
+        meta = read_source(src, path, deep=deep, templates=templates)
     except OSError as exc:
         meta = FileMeta(path, src.size, UNREADABLE, errors=(describe_os_error(exc),))
     finally:
@@ -134,11 +154,13 @@ def read_path(path: str, *, deep: bool = False) -> FileMeta:
     return meta
 
 
-def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False) -> FileMeta:
-    return read_source(BytesSource(data), path, deep=deep)
+def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False,
+               templates: Templates | None = None) -> FileMeta:
+    return read_source(BytesSource(data), path, deep=deep, templates=templates)
 
 
-def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True) -> FileMeta:
+def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
+                templates: Templates | None = None) -> FileMeta:
     """Every reading a loader could take of `src`, the worst of them reported. `top` is False
     for the bytes inside a gzip stream (SimpleTuner hands torch.load a BytesIO: no tar try)."""
     at, head = src.windows[0]  # what the source holds from byte 0: no copy
@@ -146,9 +168,9 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True)
         head = src.pread(0, SNIFF_BYTES)  # (spans of a zip layout, but no zip)
     fmt = sniff(head, src.size)
     if fmt == GZIP:
-        return _read_gzip(src, path, deep)
+        return _read_gzip(src, path, deep, templates)
     if fmt == ZIP:
-        return _read_zip(src, path, deep)  # torch.load and np.load read a zip as nothing else
+        return _read_zip(src, path, deep, templates)  # torch.load and np.load read a zip as nothing else
     meta = _read_as_sniffed(src, path, deep, fmt, head)
     ext, promised = os.path.splitext(path)[1].lower(), extension_format(path)
     if fmt == EMPTY or promised is None:
@@ -201,11 +223,12 @@ def _merged(meta: FileMeta, other: FileMeta) -> FileMeta:
     )
 
 
-def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
+def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -> FileMeta:
     # a torch file laid out like one already read needs no directory parse (not --deep, which
     # checks the CRCs a template leaves out), and one that also holds the same data.pkl no read
-    windows = None if deep else src.windows
-    seen = zip_templates.match(src.size, windows) if windows is not None else None
+    windows = None if deep or templates is None else src.windows
+    seen = templates.match(src.size, windows) if templates is not None and windows is not None \
+        else None
     if seen is not None:
         template, prefix = seen
         records = template.record_bytes(windows)
@@ -222,12 +245,13 @@ def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
         return FileMeta(path, src.size, fmt, errors=(str(exc),))
     names = [e.name for e in directory.entries]
     folded = [zip_members.ascii_fold(n) for n in names]  # as torch (miniz) matches names
-    if windows is not None and names and names[0].endswith("/data.pkl"):
+    if templates is not None and windows is not None and names and \
+            names[0].endswith("/data.pkl"):
         meta = torch_zip.read(src, path, deep, directory)
         # a template reads only the standard records: a file with any other entry (another
         # tool's pickle, a second reading of a record) is read in full every time
         if meta.ok and zip_templates.standard(directory):
-            zip_templates.remember(src.size, windows, directory, meta)
+            templates.remember(src.size, windows, directory, meta)
         return meta
     if names and all(n.endswith(".npy") for n in names):
         return numpy_npz.read(src, path, deep, directory)
@@ -240,13 +264,13 @@ def _read_zip(src: Source, path: str, deep: bool) -> FileMeta:
     return zip_members.read(src, path, deep, directory)
 
 
-def _read_gzip(src: Source, path: str, deep: bool) -> FileMeta:
+def _read_gzip(src: Source, path: str, deep: bool, templates: Templates | None) -> FileMeta:
     limit = gzipped.DEEP_MAX_INFLATED if deep else gzipped.MAX_INFLATED
     with gzipped.inflated(src, limit) as (inner, error):
         if inner is None:
             promised = extension_format(path) or TORCH_ZIP
             return FileMeta(path, src.size, promised, compression=GZIP, errors=(error,))
-        meta = read_source(inner, path, deep=deep, top=False)
+        meta = read_source(inner, path, deep=deep, top=False, templates=templates)
     return dataclasses.replace(meta, size=src.size, compression=GZIP)
 
 

@@ -22,6 +22,7 @@ import re
 import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -151,20 +152,33 @@ class TensorRef:
 # What the calls of one load may copy of their arguments. Each REDUCE costs the stream a few
 # bytes, however big the memoized argument it is given: a 1 MB string encoded 2,000 times, or a
 # tuple of a million items handed to a stub again and again, builds gigabytes from a megabyte.
-# pickle_guard's estimate counts what opcodes build; this counts what calls copy. Reset per load.
+# pickle_guard's estimate counts what opcodes build; this counts what calls copy. Each load
+# has its own count (the calls reach it through a context variable, since they are the
+# globals' stand-ins, not the unpickler's methods), so loads in threads never share one.
 MAX_COPIED_BYTES = 256 * 1024 * 1024
-_copied = 0
+
+
+class _Copied:
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+_copied: ContextVar[_Copied] = ContextVar("cachedoctor_unpickler_copied")
 
 
 def _charge(value: object, per_item: int = 8) -> None:
     """Count a call's copy of `value` (its characters or bytes; `per_item` per entry of a
     container) against MAX_COPIED_BYTES."""
-    global _copied
+    copied = _copied.get(None)
+    if copied is None:  # a stand-in called outside a load: nothing to count against
+        return
     if isinstance(value, (str, bytes, bytearray)):
-        _copied += len(value)
+        copied.bytes += len(value)
     elif isinstance(value, (tuple, list, dict, set, frozenset)):
-        _copied += per_item * len(value)
-    if _copied > MAX_COPIED_BYTES:
+        copied.bytes += per_item * len(value)
+    if copied.bytes > MAX_COPIED_BYTES:
         raise pickle.UnpicklingError(
             f"the pickle's calls would copy more than {MAX_COPIED_BYTES // 2**20} MiB of their "
             "arguments (one memoized value handed to a call again and again)")
@@ -666,16 +680,17 @@ def load_restricted(data: bytes | bytearray | memoryview | BinaryIO, offset: int
             raise UnpickleError(f"the pickle runs past the {MAX_PICKLE_BYTES // 2**20} MiB "
                                 "cachedoctor unpickles") from None
         raise UnpickleError(str(exc), truncated=exc.truncated, scan=(data, offset)) from None
-    global _copied
-    _copied = 0
     unpickler = _RestrictedUnpickler(data[offset:end] if offset or end < len(data) else data,
                                      legacy)
+    budget = _copied.set(_Copied())
     try:
         obj = unpickler.load()
     except Exception as exc:  # whatever a malformed stream makes the C unpickler or us raise
         # the globals after the point of failure count too: a payload may sit there
         raise UnpickleError(_describe(exc), list(unpickler.names), list(unpickler.unsafe),
                             scan=(data, offset)) from None
+    finally:
+        _copied.reset(budget)
     if stream is not None:
         stream.seek(start + end)
     return Unpickled(obj, list(unpickler.names), list(unpickler.unsafe), unpickler.storages, end)

@@ -98,26 +98,49 @@ def _holding(windows: tuple[Window, ...], at: int, n: int) -> tuple[bytes | None
     return None, 0
 
 
-_templates: dict[int, list[Template]] = {}
-_spans: dict[int, tuple[tuple[int, int], ...]] = {}  # by size: every template's spans, merged
-_count = 0
+class Templates:
+    """The templates one scan has learnt (at most MAX_TEMPLATES, MAX_PER_SIZE of one size).
+    Each scan makes its own and hands it to every read (read_path's `templates`), so two scans
+    in one process, in threads or one after the other, never match against each other's files;
+    a read given none learns nothing and matches nothing."""
 
+    __slots__ = ("_spans", "by_size", "count")
 
-def match(size: int, windows: tuple[Window, ...]) -> tuple[Template, str] | None:
-    """If the file of `size` bytes whose `windows` these are is laid out like a file seen
-    before: that file's template (whose directory's entry names carry the other file's prefix;
-    every offset and size is this file's) and this file's own prefix. Else None."""
-    for template in _templates.get(size, ()):
-        prefix = template.prefix(windows)
-        if prefix is not None:
-            return template, prefix
-    return None
+    def __init__(self) -> None:
+        self.by_size: dict[int, list[Template]] = {}
+        self._spans: dict[int, tuple[tuple[int, int], ...]] = {}  # by size: all spans, merged
+        self.count = 0
 
+    def match(self, size: int, windows: tuple[Window, ...]) -> tuple[Template, str] | None:
+        """If the file of `size` bytes whose `windows` these are is laid out like a file seen
+        before: that file's template (whose directory's entry names carry the other file's
+        prefix; every offset and size is this file's) and this file's own prefix. Else None."""
+        for template in self.by_size.get(size, ()):
+            prefix = template.prefix(windows)
+            if prefix is not None:
+                return template, prefix
+        return None
 
-def spans(size: int) -> tuple[tuple[int, int], ...] | None:
-    """The (offset, length) spans that decide whether a file of `size` bytes is laid out like
-    one seen before, or None when none of that size was: all a reader needs of such a file."""
-    return _spans.get(size)
+    def spans(self, size: int) -> tuple[tuple[int, int], ...] | None:
+        """The (offset, length) spans that decide whether a file of `size` bytes is laid out
+        like one seen before, or None when none of that size was: all a reader needs of it."""
+        return self._spans.get(size)
+
+    def remember(self, size: int, windows: tuple[Window, ...], directory: ZipDirectory,
+                 meta: FileMeta) -> None:
+        """Make a template of a sound torch zip file's layout and its FileMeta `meta`."""
+        # (no entry for a size until it has a template: files of a thousand sizes add nothing)
+        same_size = self.by_size.get(size, [])
+        if self.count >= MAX_TEMPLATES or len(same_size) >= MAX_PER_SIZE or \
+                not directory.entries:
+            return
+        template = _build(size, windows, directory)
+        if template is not None:
+            template.learn(template.record_bytes(windows), meta)
+            same_size = self.by_size.setdefault(size, [])
+            same_size.append(template)
+            self._spans[size] = _merged([span for t in same_size for span in t.spans])
+            self.count += 1
 
 
 _STANDARD = re.compile(r"[^/]+/(?:data\.pkl|version|\.data/version|byteorder|\.format_version"
@@ -132,24 +155,6 @@ def standard(directory: ZipDirectory) -> bool:
     names = {ascii_fold(e.name) for e in directory.entries}
     return len(names) == len(directory.entries) and all(
         e.compressed_size < MIN_SKIPPED or _STANDARD.match(e.name) for e in directory.entries)
-
-
-def remember(size: int, windows: tuple[Window, ...], directory: ZipDirectory,
-             meta: FileMeta) -> None:
-    """Make a template of a sound torch zip file's layout and its FileMeta `meta` (at most
-    MAX_TEMPLATES in all)."""
-    global _count
-    # (no entry for a size until it has a template: files of a thousand sizes add nothing)
-    same_size = _templates.get(size, [])
-    if _count >= MAX_TEMPLATES or len(same_size) >= MAX_PER_SIZE or not directory.entries:
-        return
-    template = _build(size, windows, directory)
-    if template is not None:
-        template.learn(template.record_bytes(windows), meta)
-        same_size = _templates.setdefault(size, [])
-        same_size.append(template)
-        _spans[size] = _merged([span for t in same_size for span in t.spans])
-        _count += 1
 
 
 def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

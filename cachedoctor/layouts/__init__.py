@@ -1,11 +1,12 @@
 """Turn scan targets into Layouts: trainer configs become datasets, a bare dir one dataset.
 
-Each trainer is a small module registered in LAYOUTS (pre-commit's plugin shape): `claims(config)`
-says whether a parsed config file is that trainer's (by name and content), `discover(folder)`
-lists the config files a project folder holds by that trainer's conventions, and `load(config)`
-builds the Layout. Given a config that another one includes (a SimpleTuner
-multidatabackend.json, a kohya dataset TOML), `load` starts from the including config found
-beside it, so that scanning either gives the same layout.
+Each trainer is a small module registered in LAYOUTS, a TrainerLayout (layouts/api.py, which
+also holds the names a layout is built from): `claims(config)` says whether a parsed config file
+is that trainer's (by name and content), `discover(folder)` lists the config files a project
+folder holds by that trainer's conventions, and `load(config)` builds the Layout. Given a
+config that another one includes (a SimpleTuner multidatabackend.json, a kohya dataset TOML),
+`load` starts from the including config found beside it, so that scanning either gives the
+same layout.
 
 A target is a cache dir or file (a bare layout), a trainer config file, or a project folder (the
 configs found in it; a folder with none is a bare cache dir). A config file that does not parse
@@ -28,14 +29,16 @@ from cachedoctor.layouts import (
     simpletuner,
     sources,
 )
+from cachedoctor.layouts.api import TrainerLayout
 from cachedoctor.layouts.base import ConfigProblem, Dataset, Layout, Origin, TargetError
 from cachedoctor.layouts.common import one_listing_each, unique
 
-__all__ = ["LAYOUTS", "ConfigProblem", "Dataset", "Layout", "Origin", "TargetError", "resolve"]
+__all__ = ["LAYOUTS", "ConfigProblem", "Dataset", "Layout", "Origin", "TargetError",
+           "TrainerLayout", "resolve"]
 
 # diffusion-pipe first: its claim is the narrowest (a `dataset` path and a [model] table), and
 # SimpleTuner would take any config.toml with an output_dir
-LAYOUTS = {
+LAYOUTS: dict[str, TrainerLayout] = {
     diffusion_pipe.NAME: diffusion_pipe,
     simpletuner.NAME: simpletuner,
     onetrainer.NAME: onetrainer,

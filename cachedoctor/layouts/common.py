@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from cachedoctor.layouts.base import INVALID, MISSING_PATH, ConfigProblem, Origin, frozen
@@ -97,19 +98,22 @@ def unique(ids: Iterable[str]) -> list[str]:
 KEPT_SUFFIXES = frozenset(KINDS) | {".npz", ".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif",
                                     ".tif", ".tiff", ".jxl", ".avif", ".mp4", ".webm", ".avi",
                                     ".mkv", ".mov", ".flv", ".wmv", ".m4v", ".mpg", ".mpeg"}
-_listings: dict[str, tuple[tuple[str, ...], frozenset[str]]] | None = None
+# The listings belong to one resolve: they live in a context variable, so resolves in two
+# threads (each starts with an empty context) never see each other's, nor a later resolve
+# an earlier one's (a folder may have changed in between).
+_listings: ContextVar[dict[str, tuple[tuple[str, ...], frozenset[str]]] | None] = \
+    ContextVar("cachedoctor_listings", default=None)
 
 
 @contextmanager
 def one_listing_each() -> Iterator[None]:
     """Within this block, names(), listdir() and subdirs() list each path once."""
-    global _listings
-    outer = _listings
-    _listings = {} if outer is None else outer
+    outer = _listings.get()
+    token = _listings.set({} if outer is None else outer)
     try:
         yield
     finally:
-        _listings = outer
+        _listings.reset(token)
 
 
 def names(path: str) -> tuple[str, ...]:
@@ -137,11 +141,12 @@ def subdirs(path: str, keep: Callable[[str], object] | None = None) -> list[str]
 
 
 def _listing(path: str) -> tuple[tuple[str, ...], frozenset[str]]:
-    if _listings is None:
+    listings = _listings.get()
+    if listings is None:
         return _list(path)
-    found = _listings.get(path)
+    found = listings.get(path)
     if found is None:
-        found = _listings[path] = _list(path)
+        found = listings[path] = _list(path)
     return found
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cachedoctor.formats import read_bytes, zip_templates
+from cachedoctor import formats
+from cachedoctor.formats import zip_templates
 
 torch = pytest.importorskip("torch")
 
@@ -26,26 +27,29 @@ def fields(meta):
             meta.notes)
 
 
+# Each test is one scan's worth of reads: they share the templates a fresh fixture makes.
+templates = zip_templates.Templates()
+
+
 @pytest.fixture(autouse=True)
 def fresh_templates(monkeypatch):
-    monkeypatch.setattr(zip_templates, "_templates", {})
-    monkeypatch.setattr(zip_templates, "_spans", {})
-    monkeypatch.setattr(zip_templates, "_count", 0)
+    monkeypatch.setitem(globals(), "templates", zip_templates.Templates())
+
+
+def read_bytes(data: bytes, path: str = "<bytes>", *, deep: bool = False):
+    return formats.read_bytes(data, path, deep=deep, templates=templates)
+
+
+def read_path(path: str, *, deep: bool = False):
+    return formats.read_path(path, deep=deep, templates=templates)
 
 
 def slow(data: bytes, path: str):
     """The same read with no template to lean on."""
-    saved_state = zip_templates._templates, zip_templates._spans
-    zip_templates._templates, zip_templates._spans = {}, {}
-    try:
-        return read_bytes(data, path)
-    finally:
-        zip_templates._templates, zip_templates._spans = saved_state
+    return formats.read_bytes(data, path)
 
 
 def test_files_of_one_layout_take_the_fast_path_with_the_same_result(monkeypatch) -> None:
-    import cachedoctor.formats as formats
-
     parsed = []
     real = formats.read_directory
     monkeypatch.setattr(formats, "read_directory", lambda src: parsed.append(1) or real(src))
@@ -64,25 +68,28 @@ def test_every_damaged_byte_reads_as_without_templates() -> None:
     a = saved({"latent": torch.ones(2, 4, 4).half()}, "a" * 16)
     b = bytearray(saved({"latent": torch.zeros(2, 4, 4).half()}, "b" * 16))
     read_bytes(a, "a.pt")  # the template
-    assert zip_templates._count == 1
+    assert templates.count == 1
     for at in range(len(b)):
         damaged = bytes(b[:at]) + bytes([b[at] ^ 0x5A]) + bytes(b[at + 1 :])
         assert fields(read_bytes(damaged, "b.pt")) == fields(slow(damaged, "b.pt")), at
 
 
-def test_other_prefix_lengths_and_sizes_are_other_layouts() -> None:
-    read_bytes(saved(torch.ones(3), "x" * 10), "x.pt")
-    other = saved(torch.ones(3), "y" * 11)
+def test_other_prefix_lengths_and_sizes_are_other_layouts(tmp_path) -> None:
+    # saved to paths: torch names the prefix of a file after its stem (a buffer's is "archive")
+    for stem in ("x" * 10, "y" * 11):
+        torch.save(torch.ones(3), tmp_path / f"{stem}.pt")
+    read_bytes((tmp_path / f"{'x' * 10}.pt").read_bytes(), "x.pt")
+    other = (tmp_path / f"{'y' * 11}.pt").read_bytes()
     meta = read_bytes(other, "y.pt")
     assert fields(meta) == fields(slow(other, "y.pt")) and meta.ok
-    assert zip_templates._count == 2
+    assert templates.count == 2
 
 
 def test_a_damaged_first_file_makes_no_template() -> None:
     blob = bytearray(saved(torch.ones(3), "z" * 8))
     blob[-30] ^= 0xFF  # inside the end records
     read_bytes(bytes(blob), "z.pt")
-    assert zip_templates._count == 0
+    assert templates.count == 0
 
 
 def test_deep_reads_never_use_templates() -> None:
@@ -98,7 +105,6 @@ def test_deep_reads_never_use_templates() -> None:
 
 
 def test_real_files_through_read_path(tmp_path) -> None:
-    from cachedoctor.formats import read_path
 
     paths = []
     for i in range(5):
@@ -107,15 +113,12 @@ def test_real_files_through_read_path(tmp_path) -> None:
         paths.append(str(path))
     metas = [read_path(p) for p in paths]
     assert all(m.ok and m.tensors[0].shape == (4, 8, 8) for m in metas)
-    assert zip_templates._count == 1
+    assert templates.count == 1
     os.truncate(paths[3], 900)
     assert not read_path(paths[3]).ok
 
 
 def test_files_with_the_same_records_take_the_reader_s_result_at_their_own_path(monkeypatch, tmp_path) -> None:
-    import cachedoctor.formats as formats
-    from cachedoctor.formats import read_path
-
     reads = []
     real = formats.torch_zip.read
     monkeypatch.setattr(formats.torch_zip, "read", lambda *a, **k: reads.append(1) or real(*a, **k))
@@ -142,7 +145,6 @@ def _big(path, value: float) -> None:
 
 def test_files_too_big_to_read_whole_match_on_their_head_and_tail(monkeypatch, tmp_path) -> None:
     import cachedoctor.formats as formats
-    from cachedoctor.formats import read_path
     from cachedoctor.formats.source import WHOLE_FILE_LIMIT
 
     parsed = []
@@ -153,13 +155,12 @@ def test_files_too_big_to_read_whole_match_on_their_head_and_tail(monkeypatch, t
         _big(path, float(i))
     assert os.path.getsize(paths[0]) > WHOLE_FILE_LIMIT
     metas = [read_path(p) for p in paths]
-    assert len(parsed) == 1 and zip_templates._count == 1
+    assert len(parsed) == 1 and templates.count == 1
     assert all(m.ok and m.tensors[0].shape == (16, 96, 96) for m in metas)
     assert [m.path for m in metas] == paths
 
 
 def test_a_damaged_structural_byte_of_a_big_file_reads_as_without_templates(tmp_path) -> None:
-    from cachedoctor.formats import read_path
     from cachedoctor.formats.source import WINDOW, BytesSource
     from cachedoctor.formats.zipdir import read_directory
 
@@ -167,7 +168,7 @@ def test_a_damaged_structural_byte_of_a_big_file_reads_as_without_templates(tmp_
     _big(first, 1.0)
     _big(other, 2.0)
     read_path(first)  # the template
-    assert zip_templates._count == 1
+    assert templates.count == 1
     good = Path(other).read_bytes()
     entries = read_directory(BytesSource(good)).entries
     storage = next(e for e in entries if e.name.endswith("/data/0"))
@@ -184,7 +185,6 @@ def test_a_damaged_structural_byte_of_a_big_file_reads_as_without_templates(tmp_
 
 
 def test_a_file_of_a_known_layout_s_size_is_read_only_where_it_decides(monkeypatch, tmp_path) -> None:
-    from cachedoctor.formats import read_path
     from cachedoctor.formats.source import FileSource
 
     first, second = tmp_path / "aaaaaaaa.pt", tmp_path / "bbbbbbbb.pt"
@@ -202,14 +202,13 @@ def test_a_file_of_a_known_layout_s_size_is_read_only_where_it_decides(monkeypat
 
 
 def test_every_damaged_byte_of_a_file_read_in_spans_reads_as_without_templates(tmp_path) -> None:
-    from cachedoctor.formats import read_path
 
     first = tmp_path / "aaaaaaaa.pt"
     torch.save({"latent": torch.ones(4, 16, 16).half()}, first)
     good = bytearray(first.read_bytes())
     torch.save({"latent": torch.zeros(4, 16, 16).half()}, first)
     read_path(str(first))  # the template (2 KiB storage: skipped, so the file is read in spans)
-    assert zip_templates.spans(len(good)) is not None and len(zip_templates.spans(len(good))) == 2
+    assert templates.spans(len(good)) is not None and len(templates.spans(len(good))) == 2
     damaged_path = tmp_path / "cccccccc.pt"
     for at in range(len(good)):
         damaged = bytes(good[:at]) + bytes([good[at] ^ 0x5A]) + bytes(good[at + 1 :])
@@ -222,5 +221,5 @@ def test_files_of_many_sizes_leave_no_trace_once_the_templates_are_full(monkeypa
     monkeypatch.setattr(zip_templates, "MAX_TEMPLATES", 2)
     for n in range(1, 8):
         read_bytes(saved(torch.ones(n * 100), f"{n:08x}"), f"{n}.pt")  # sizes 400 B apart
-    assert zip_templates._count == 2
-    assert len(zip_templates._templates) == 2 and len(zip_templates._spans) == 2
+    assert templates.count == 2
+    assert len(templates.by_size) == 2 and len(templates._spans) == 2
