@@ -1,0 +1,69 @@
+"""Hostile state in a cache's own `.cachedoctor/`: a cache may come from someone else, with a
+journal or quarantine folder made to lead `purge` and `undo` out of the cache."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+from repair_helpers import isolated_state, quarantine_of  # noqa: F401
+
+from cachedoctor.fixtures import clean, truncated_archive
+from cachedoctor.inventory import STATE_DIR
+from cachedoctor.repair.caches import JOURNAL
+
+from conftest import run_cli
+
+
+def _fixed(cache: Path) -> str:
+    clean.build(cache, n=2)
+    truncated_archive.build(cache)
+    result = run_cli("fix", str(cache), "--yes")
+    assert result.returncode == 0, result.stderr
+    return next(line.split()[-1] for line in result.stdout.splitlines()
+                if line.startswith("Undo with: "))
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    return victim
+
+
+def test_purge_never_follows_a_journal_run_id_out_of_the_cache(tmp_path: Path) -> None:
+    cache, victim = tmp_path / "cache", _victim(tmp_path)
+    cache.mkdir()
+    run_id = _fixed(cache)
+    # <cache>/.cachedoctor/quarantine/../../../victim is tmp_path/victim
+    conn = sqlite3.connect(cache / STATE_DIR / JOURNAL)
+    with conn:
+        conn.execute("INSERT INTO runs (run_id, started, finished, state) "
+                     "VALUES ('../../../victim', 1000, 1001, 'done')")
+    conn.close()
+
+    result = run_cli("purge", "--older-than", "0s", "--yes", "--cache", str(cache))
+
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert (victim / "keep.txt").read_text() == "precious"
+    assert f"Purged run {run_id}" in result.stdout and "victim" not in result.stdout
+    assert not quarantine_of(cache, run_id).exists()
+
+
+def test_purge_never_deletes_through_a_symlinked_quarantine(tmp_path: Path) -> None:
+    cache, victim = tmp_path / "cache", _victim(tmp_path)
+    cache.mkdir()
+    run_id = _fixed(cache)
+    quarantine = quarantine_of(cache, run_id).parent
+    # the quarantine folder swapped for a symlink to a folder holding a same-named run folder
+    (victim / run_id).mkdir()
+    (victim / run_id / "keep.pt").write_text("precious")
+    os.rename(quarantine, tmp_path / "moved-quarantine")
+    quarantine.symlink_to(victim, target_is_directory=True)
+
+    result = run_cli("purge", run_id, "--yes", "--cache", str(cache))
+
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (victim / run_id / "keep.pt").read_text() == "precious"
+    assert (victim / "keep.txt").read_text() == "precious"
