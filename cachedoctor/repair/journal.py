@@ -138,6 +138,10 @@ class Journal:
             atomic.fsync_dir(root)
         except FileExistsError:
             pass
+        for link in (state_dir(root), path, path + "-journal"):
+            if os.path.islink(link):  # sqlite would follow it: write, or delete, outside the cache
+                raise JournalError(f"{link} is a symlink: cachedoctor keeps its state in the cache "
+                                   "itself, never through a link; remove the link")
         try:
             conn = sqlite3.connect(path, timeout=30)
             conn.execute("PRAGMA journal_mode=DELETE")

@@ -7,6 +7,7 @@ import os
 import sqlite3
 from pathlib import Path
 
+import pytest
 from repair_helpers import isolated_state, quarantine_of  # noqa: F401
 
 from cachedoctor.fixtures import clean, truncated_archive
@@ -67,3 +68,36 @@ def test_purge_never_deletes_through_a_symlinked_quarantine(tmp_path: Path) -> N
     assert "Traceback" not in result.stderr, result.stderr
     assert (victim / run_id / "keep.pt").read_text() == "precious"
     assert (victim / "keep.txt").read_text() == "precious"
+
+
+def _other_database(path: Path) -> bytes:
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("CREATE TABLE mine (x)")
+    conn.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("link", [f"{STATE_DIR}/{JOURNAL}", STATE_DIR])
+def test_fix_never_writes_a_journal_through_a_symlink(tmp_path: Path, link: str) -> None:
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    cache.mkdir()
+    elsewhere.mkdir()
+    clean.build(cache, n=2)
+    truncated_archive.build(cache)
+    other = elsewhere / JOURNAL
+    before = _other_database(other)
+    if link == STATE_DIR:
+        (cache / STATE_DIR).symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (cache / STATE_DIR).mkdir()
+        (cache / link).symlink_to(other)
+
+    result = run_cli("fix", str(cache), "--yes")
+
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is a symlink" in lines[0], result.stderr
+    assert other.read_bytes() == before
+    assert sorted(os.listdir(elsewhere)) == [JOURNAL]
+    assert (cache / "truncated_archive.pt").exists()
