@@ -303,7 +303,12 @@ def fix(
         from cachedoctor.repair.index import known_roots
         from cachedoctor.repair.render import render_runs
 
-        render_runs(listing(roots if roots is not None else known_roots()), sys.stdout)
+        unreadable: list[str] = []
+        render_runs(listing(roots if roots is not None else known_roots(), unreadable), sys.stdout)
+        for problem in unreadable:
+            typer.echo(f"cachedoctor: error: {problem}", err=True)
+        if unreadable:
+            raise typer.Exit(EXIT_USAGE)
         return
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file), or --list-runs")

@@ -101,3 +101,21 @@ def test_fix_never_writes_a_journal_through_a_symlink(tmp_path: Path, link: str)
     assert other.read_bytes() == before
     assert sorted(os.listdir(elsewhere)) == [JOURNAL]
     assert (cache / "truncated_archive.pt").exists()
+
+
+def test_list_runs_names_a_damaged_journal_in_one_line_and_lists_the_others(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    run_id = _fixed(good)
+    _fixed(bad)
+    (bad / STATE_DIR / JOURNAL).write_bytes(b"not a database, " * 512)  # damaged since
+
+    for args in (("fix", "--list-runs"), ("fix", "--list-runs", str(bad), str(good))):
+        result = run_cli(*args)
+
+        assert result.returncode == 2, args
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(bad / STATE_DIR / JOURNAL) in lines[0], result.stderr
+        assert "internal error" not in result.stderr
+        assert run_id in result.stdout
