@@ -1,0 +1,43 @@
+"""A config file that comes with a cache (or sits in a parent directory) must not quietly
+silence the guard rules (CD105, CD002): every way it can is warned about."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import invoke
+
+
+def _poisoned(tmp_path: Path) -> Path:
+    from fixtures import BUILDERS
+
+    cache = tmp_path / "cache"
+    BUILDERS["CD105"](cache, marker=tmp_path / "PAYLOAD_RAN")
+    return cache
+
+
+def test_a_config_that_lowers_cd105_below_error_warns(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    _poisoned(tmp_path)
+    config = tmp_path / "cachedoctor.toml"
+    config.write_text('severity = { CD105 = "info" }\n')
+
+    text = invoke("scan", "cache", "-j", "1")
+
+    assert text.exit_code == 0  # the run no longer fails on the hostile pickle ...
+    assert (f"cachedoctor: warning: CD105 (unsafe-pickle) is lowered to info by {config}"
+            in text.stderr)  # ... and says so
+    report = json.loads(invoke("scan", "cache", "-j", "1", "--format", "json").stdout)
+    assert [w.split(" ", 1)[0] for w in report["policy"]["warnings"]] == ["CD105"]
+
+
+def test_a_guard_left_at_error_does_not_warn(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cachedoctor.toml").write_text('severity = { CD105 = "error", CD201 = "info" }\n')
+    result = invoke("scan", "cache", "-j", "1")
+    assert "cachedoctor.toml" in result.stderr and "warning:" not in result.stderr
