@@ -26,6 +26,7 @@ class AppliedPolicy:
     disabled: tuple[tuple[str, str], ...] = ()
     isolated: bool = False  # --isolated: no config file was looked for
     lowered: tuple[tuple[str, str, str], ...] = ()  # (code, severity, layer) set below error
+    excluded: tuple[str, ...] = ()  # exclude globs of config layers: files never checked
 
     @property
     def alerts(self) -> tuple[tuple[str, str], ...]:
@@ -53,6 +54,8 @@ class AppliedPolicy:
         line = f"config: {configs}"
         if self.disabled:
             line += f"; switched off: {listing([code for code, _ in self.disabled])}"
+        if self.excluded:  # a file a config excludes is judged by no rule, CD105 included
+            line += f"; not checked: {listing(list(self.excluded))}"
         return line
 
     def to_dict(self) -> dict:

@@ -286,7 +286,8 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
     codes = list(_rules())
     enabled = resolve_selection(merged.selection, codes)
     applied = AppliedPolicy(tuple(layer.source for layer in layers[:-1]),
-                            switched_off(layers, codes), isolated, lowered(layers))
+                            switched_off(layers, codes), isolated, lowered(layers),
+                            tuple(p for layer in layers[:-1] for p in layer.exclude))
     options = ScanOptions(
         deep=bool(merged.deep),
         select=tuple(enabled) or (NOTHING,),

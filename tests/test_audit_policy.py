@@ -41,3 +41,18 @@ def test_a_guard_left_at_error_does_not_warn(tmp_path: Path, monkeypatch) -> Non
     (tmp_path / "cachedoctor.toml").write_text('severity = { CD105 = "error", CD201 = "info" }\n')
     result = invoke("scan", "cache", "-j", "1")
     assert "cachedoctor.toml" in result.stderr and "warning:" not in result.stderr
+
+
+def test_files_a_config_excludes_are_named_on_the_config_line(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    _poisoned(tmp_path)
+    config = tmp_path / "cachedoctor.toml"
+    config.write_text('exclude = ["unsafe*"]\n')
+
+    text = invoke("scan", "cache", "-j", "1")
+
+    assert "CD105" not in text.stdout  # the config hid the file ...
+    assert f"cachedoctor: config: {config}; not checked: unsafe*" in text.stderr  # ... and says so
+    flag = invoke("scan", "cache", "-j", "1", "--isolated", "--exclude", "unsafe*")
+    assert flag.stderr == ""  # whoever typed the flag knows
