@@ -56,3 +56,19 @@ def test_files_a_config_excludes_are_named_on_the_config_line(tmp_path: Path, mo
     assert f"cachedoctor: config: {config}; not checked: unsafe*" in text.stderr  # ... and says so
     flag = invoke("scan", "cache", "-j", "1", "--isolated", "--exclude", "unsafe*")
     assert flag.stderr == ""  # whoever typed the flag knows
+
+
+def test_a_baseline_a_config_names_that_hides_cd105_warns(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    _poisoned(tmp_path)
+    assert invoke("scan", "cache", "-j", "1", "--write-baseline", "known.json").exit_code == 0
+    (tmp_path / "cachedoctor.toml").write_text('baseline = "known.json"\n')
+
+    text = invoke("scan", "cache", "-j", "1")
+
+    assert text.exit_code == 0 and "CD105" not in text.stdout  # the baseline hid it ...
+    assert (f"cachedoctor: warning: CD105 (unsafe-pickle): 1 finding(s) hidden by the baseline "
+            f"{tmp_path / 'known.json'}, named in a config file" in text.stderr)  # ... and says so
+    typed = invoke("scan", "cache", "-j", "1", "--isolated", "--baseline", "known.json")
+    assert typed.exit_code == 0 and "warning:" not in typed.stderr  # whoever typed it knows
