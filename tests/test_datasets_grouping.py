@@ -270,7 +270,7 @@ def test_baseline_holds_when_healthy_files_are_added(tmp_path: Path) -> None:
 
 
 def _agree(report, targets: list[str]) -> None:
-    plan = build_plan(report, cache_roots(resolve(targets)))
+    plan = build_plan(report, cache_roots(resolve(targets)), include_info=True)
     skipped = {(n.path, n.code) for n in plan.notes if n.skipped}
     assert _fixable(report), "the comparison is of something"
     assert _planned(plan) | {p for p in skipped if p in _fixable(report)} == _fixable(report)
