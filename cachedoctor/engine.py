@@ -144,8 +144,14 @@ def _check_batch(batch: Batch, options: ScanOptions, rules: list[Rule],
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
     _scope_verdicts(options, rules, datasets)
+    beside: bool | None = None  # whether images belong in this cache folder: asked once
     for entry in batch.entries(options.exclude):
         files += 1
+        if entry.area == "cache" and entry.role not in (LATENT, TEXT):
+            if beside is None:
+                beside = naming.images_belong()
+            if beside:
+                entry = entry._replace(area="images")
         if options.keep_paths:
             paths.append(entry.path)
         # A reader or rule that raises costs that file a CD002 finding, never the scan.
