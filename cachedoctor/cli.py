@@ -320,7 +320,8 @@ def fix(
         from cachedoctor.repair.render import render_runs
 
         unreadable: list[str] = []
-        render_runs(listing(roots if roots is not None else known_roots(), unreadable), sys.stdout)
+        render_runs(listing(roots if roots is not None else known_roots(only_readable=False),
+                            unreadable), sys.stdout)
         for problem in unreadable:
             typer.echo(f"cachedoctor: error: {problem}", err=True)
         if unreadable:

@@ -119,3 +119,20 @@ def test_list_runs_names_a_damaged_journal_in_one_line_and_lists_the_others(tmp_
         assert len(lines) == 1 and str(bad / STATE_DIR / JOURNAL) in lines[0], result.stderr
         assert "internal error" not in result.stderr
         assert run_id in result.stdout
+
+
+def test_one_damaged_journal_does_not_stop_undo_or_purge_of_the_other_caches(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    _fixed(bad)
+    run_id = _fixed(good)  # the latest run: what a bare `undo` picks
+    (bad / STATE_DIR / JOURNAL).write_bytes(b"not a database, " * 512)  # damaged since
+
+    purged = run_cli("purge", "--older-than", "0s", "--yes")
+    assert purged.returncode == 0 and f"Purged run {run_id}" in purged.stdout, purged.stderr
+    second = _fixed(good)
+    undone = run_cli("undo")
+    assert undone.returncode == 0 and f"Undid run {second}" in undone.stdout, undone.stderr
+    named = run_cli("undo", "--cache", str(bad))  # named, its error is the answer
+    assert named.returncode == 2 and "file is not a database" in named.stderr
