@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import invoke
+from conftest import invoke, run_cli
 
 
 def _poisoned(tmp_path: Path) -> Path:
@@ -72,3 +72,23 @@ def test_a_baseline_a_config_names_that_hides_cd105_warns(tmp_path: Path, monkey
             f"{tmp_path / 'known.json'}, named in a config file" in text.stderr)  # ... and says so
     typed = invoke("scan", "cache", "-j", "1", "--isolated", "--baseline", "known.json")
     assert typed.exit_code == 0 and "warning:" not in typed.stderr  # whoever typed it knows
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_baseline_that_is_no_regular_file_is_one_line_not_a_hang(kind: str, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cache").mkdir()
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "known.json")  # no writer: reading it would wait for ever
+    else:
+        (tmp_path / "known.json").symlink_to("/dev/zero")  # endless: would fill memory
+    (tmp_path / "cachedoctor.toml").write_text('baseline = "known.json"\n')
+
+    result = run_cli("scan", "cache", "-j", "1", cwd=tmp_path, timeout=60)
+
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"cachedoctor: error: cannot read baseline {tmp_path / 'known.json'}: not a regular file"]
