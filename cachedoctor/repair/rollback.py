@@ -47,6 +47,8 @@ def roll_back(record: ActionRecord, root: str) -> str | None:
     """Undo what `record`'s action did to its file; None when it is back, else why it was left.
     Works through folder descriptors from the root (confined.py): a folder of the cache swapped
     for a symlink since the run leaves the file where it is, reported, never moved out."""
+    if not plain_run_id(record.run_id):  # a hostile journal's: its temp names are no one's
+        return f"{record.run_id!r} is no run id cachedoctor writes: {record.relpath!r} left alone"
     root_fd = confined.open_root(root)
     fds: list[int] = []
     try:

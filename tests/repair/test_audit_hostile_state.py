@@ -136,3 +136,24 @@ def test_one_damaged_journal_does_not_stop_undo_or_purge_of_the_other_caches(tmp
     assert undone.returncode == 0 and f"Undid run {second}" in undone.stdout, undone.stderr
     named = run_cli("undo", "--cache", str(bad))  # named, its error is the answer
     assert named.returncode == 2 and "file is not a database" in named.stderr
+
+
+def test_recovery_never_deletes_a_file_named_by_a_hostile_run_id(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _fixed(cache)
+    mine = cache / "notes-1.tmp"  # what `.cachedoctor-x/../../notes-1.tmp`'s basename names
+    mine.write_text("the user's")
+    conn = sqlite3.connect(cache / STATE_DIR / JOURNAL)
+    with conn:  # an interrupted run, as the next fix would recover it
+        conn.execute("INSERT INTO runs (run_id, started, state) VALUES ('x/../../notes', 1000, "
+                     "'running')")
+        conn.execute("INSERT INTO actions (run_id, seq, action, relpath, path, codes, state, "
+                     "updated) VALUES ('x/../../notes', 1, 'compact', ?, ?, 'CD201', 'started', 1000)",
+                     (b"clean_0.pt", b"clean_0.pt"))
+    conn.close()
+
+    result = run_cli("undo", "--cache", str(cache))
+
+    assert "Traceback" not in result.stderr, result.stderr
+    assert mine.read_text() == "the user's"
