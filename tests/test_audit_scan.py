@@ -64,3 +64,19 @@ def test_caches_beside_images_deep_in_a_tree_make_no_foreign_files(tmp_path: Pat
 
         assert {f.path for f in report.findings} == ({str(stray)} if target == tree else set()), \
             [(f.code, f.path) for f in report.findings]
+
+
+def test_two_model_families_trained_on_one_image_dir_see_their_images(tmp_path: Path) -> None:
+    """SimpleTuner environments for sdxl and flux share `datasets/closeups` and its bucket
+    files; each caches into `cache/vae/{model_family}/closeups`. Each dataset must see the
+    images, or every entry of the second is an orphan and every listed image 'gone' (CD405)."""
+    pytest.importorskip("torch")
+    from fixtures import corpus
+
+    tree = corpus.build("simpletuner", tmp_path / "st")
+    project = tree.root.parents[1]
+    assert (project / "config" / "flux" / "config.json").is_file()  # the second environment
+
+    report = scan_paths(project, jobs=1)
+
+    assert report.findings == (), [(f.code, f.path) for f in report.findings]
