@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sqlite3
 import time
@@ -60,6 +61,13 @@ CREATE TABLE IF NOT EXISTS actions (
     PRIMARY KEY (run_id, seq)
 );
 """
+
+# table -> the columns SCHEMA gives it (the first word of each column line)
+COLUMNS = {
+    table: frozenset(line.split()[0] for line in body.strip().splitlines()
+                     if not line.strip().startswith("PRIMARY"))
+    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\n\);", SCHEMA, re.S)
+}
 
 RUNNING, DONE, FAILED, INTERRUPTED = "running", "done", "failed", "interrupted"
 UNDOING, UNDONE, UNDO_INCOMPLETE = "undoing", "undone", "undo-incomplete"
@@ -155,6 +163,12 @@ class Journal:
                 with conn:
                     conn.executescript(SCHEMA)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            for table, columns in COLUMNS.items():  # another program's database, or a forged one
+                have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+                if not columns <= have:
+                    conn.close()
+                    raise JournalError(f"{path} is no cachedoctor journal: its table {table} "
+                                       f"lacks {', '.join(sorted(columns - have))}")
         except sqlite3.Error as exc:
             raise JournalError(f"cannot open the journal {path}: {exc}") from None
         return cls(root, conn)

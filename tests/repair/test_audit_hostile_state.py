@@ -157,3 +157,25 @@ def test_recovery_never_deletes_a_file_named_by_a_hostile_run_id(tmp_path: Path)
 
     assert "Traceback" not in result.stderr, result.stderr
     assert mine.read_text() == "the user's"
+
+
+def test_a_database_that_is_no_cachedoctor_journal_is_one_line(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    clean.build(cache, n=2)
+    truncated_archive.build(cache)
+    (cache / STATE_DIR).mkdir()
+    conn = sqlite3.connect(cache / STATE_DIR / JOURNAL)  # the schema version, not the tables
+    with conn:
+        conn.execute("CREATE TABLE runs (x)")
+        conn.execute("PRAGMA user_version=1")
+    conn.close()
+
+    for args in (("fix", str(cache), "--yes"), ("undo", "--cache", str(cache)),
+                 ("fix", "--list-runs", str(cache))):
+        result = run_cli(*args)
+
+        assert result.returncode == 2, args
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "is no cachedoctor journal: its table runs lacks" in lines[0], \
+            result.stderr
+    assert (cache / "truncated_archive.pt").exists()
