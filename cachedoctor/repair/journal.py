@@ -150,6 +150,9 @@ class Journal:
             if os.path.islink(link):  # sqlite would follow it: write, or delete, outside the cache
                 raise JournalError(f"{link} is a symlink: cachedoctor keeps its state in the cache "
                                    "itself, never through a link; remove the link")
+        if not os.path.isdir(state_dir(root)):
+            raise JournalError(f"{state_dir(root)} is not a folder: cachedoctor keeps its state "
+                               "there; move that file away")
         try:
             conn = sqlite3.connect(path, timeout=30)
             conn.execute("PRAGMA journal_mode=DELETE")

@@ -179,3 +179,19 @@ def test_a_database_that_is_no_cachedoctor_journal_is_one_line(tmp_path: Path) -
         assert len(lines) == 1 and "is no cachedoctor journal: its table runs lacks" in lines[0], \
             result.stderr
     assert (cache / "truncated_archive.pt").exists()
+
+
+def test_a_cachedoctor_file_in_place_of_the_folder_is_one_clear_line(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    clean.build(cache, n=2)
+    truncated_archive.build(cache)
+    (cache / STATE_DIR).write_text("someone's notes")
+
+    result = run_cli("fix", str(cache), "--yes")
+
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"cachedoctor: error: {cache / STATE_DIR} is not a folder: cachedoctor keeps its state "
+        "there; move that file away"]
+    assert (cache / STATE_DIR).read_text() == "someone's notes"
+    assert (cache / "truncated_archive.pt").exists()
