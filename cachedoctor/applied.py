@@ -25,15 +25,23 @@ class AppliedPolicy:
     configs: tuple[str, ...] = ()
     disabled: tuple[tuple[str, str], ...] = ()
     isolated: bool = False  # --isolated: no config file was looked for
+    lowered: tuple[tuple[str, str, str], ...] = ()  # (code, severity, layer) set below error
+    excluded: tuple[str, ...] = ()  # exclude globs of config layers: files never checked
 
     @property
     def alerts(self) -> tuple[tuple[str, str], ...]:
         """(code, one line) per guard rule a config switched off. A flag or keyword argument
         that does is not alerted on: whoever typed it knows; a config file may come with a
         cache, or sit in a parent directory, unseen."""
-        return tuple((code, f"{code} ({GUARDS[code][0]}) is switched off by {by}: "
-                            f"{GUARDS[code][1]}")
-                     for code, by in self.disabled if code in GUARDS and by in self.configs)
+        off = tuple((code, f"{code} ({GUARDS[code][0]}) is switched off by {by}: "
+                           f"{GUARDS[code][1]}")
+                    for code, by in self.disabled if code in GUARDS and by in self.configs)
+        # a guard lowered below error no longer fails the run (`--fail-on error`): as silent
+        # in CI as switched off
+        lowered = tuple((code, f"{code} ({GUARDS[code][0]}) is lowered to {level} by {by}: "
+                               f"{GUARDS[code][1]} below --fail-on warning")
+                        for code, level, by in self.lowered if code in GUARDS and by in self.configs)
+        return off + lowered
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -46,6 +54,8 @@ class AppliedPolicy:
         line = f"config: {configs}"
         if self.disabled:
             line += f"; switched off: {listing([code for code, _ in self.disabled])}"
+        if self.excluded:  # a file a config excludes is judged by no rule, CD105 included
+            line += f"; not checked: {listing(list(self.excluded))}"
         return line
 
     def to_dict(self) -> dict:

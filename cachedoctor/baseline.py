@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -88,7 +89,12 @@ class Baseline:
     @classmethod
     def load(cls, path: str) -> Baseline:
         try:
-            with open(path, encoding="utf-8") as f:
+            # O_NONBLOCK, then a regular file only: a FIFO or /dev/zero (a config may name the
+            # baseline, and a config may come with a cache) would hang the scan or fill memory
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, encoding="utf-8") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise BaselineError(f"cannot read baseline {path}: not a regular file")
                 data = json.load(f)
             if data.get("version") != VERSION:
                 raise BaselineError(f"{path}: baseline version {data.get('version')!r}, "

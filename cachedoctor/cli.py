@@ -135,12 +135,28 @@ def scan(
         typer.echo(f"cachedoctor: recorded {count:,} findings in {write_baseline}", err=True)
     elif known is not None:
         result = known.apply(report)
-        report = result.report
         if result.known or result.fixed:
             typer.echo(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
                        f"not shown, {result.fixed:,} of its entries no longer found", err=True)
+        if baseline is None:  # named by a config file, which may have come with the cache
+            _hidden_guards(report, result.report, policy.baseline)
+        report = result.report
     _emit(report, chosen, output, verbose)
     raise typer.Exit(0 if write_baseline is not None else report.exit_code(policy.fail_on))
+
+
+def _hidden_guards(before, after, path: str) -> None:
+    """Warn when a baseline a config named hides a guard rule's findings: a baseline that came
+    with a cache silences its hostile pickle as surely as switching CD105 off."""
+    from collections import Counter
+
+    from cachedoctor.applied import GUARDS
+
+    hidden = Counter(f.code for f in before.findings) - Counter(f.code for f in after.findings)
+    for code, (name, consequence) in GUARDS.items():
+        if hidden[code]:
+            typer.echo(f"cachedoctor: warning: {code} ({name}): {hidden[code]:,} finding(s) hidden "
+                       f"by the baseline {path}, named in a config file: {consequence}", err=True)
 
 
 def _policy_lines(applied, detail: bool) -> None:
@@ -331,7 +347,13 @@ def fix(
         from cachedoctor.repair.index import known_roots
         from cachedoctor.repair.render import render_runs
 
-        render_runs(listing(roots if roots is not None else known_roots()), sys.stdout)
+        unreadable: list[str] = []
+        render_runs(listing(roots if roots is not None else known_roots(only_readable=False),
+                            unreadable), sys.stdout)
+        for problem in unreadable:
+            typer.echo(f"cachedoctor: error: {problem}", err=True)
+        if unreadable:
+            raise typer.Exit(EXIT_USAGE)
         return
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file, a trainer config or project folder), "

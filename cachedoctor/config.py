@@ -293,7 +293,8 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
     codes = list(_rules())
     enabled = resolve_selection(merged.selection, codes)
     applied = AppliedPolicy(tuple(layer.source for layer in layers[:-1]),
-                            switched_off(layers, codes), isolated)
+                            switched_off(layers, codes), isolated, lowered(layers),
+                            tuple(p for layer in layers[:-1] for p in layer.exclude))
     options = ScanOptions(
         deep=bool(merged.deep),
         select=tuple(enabled) or (NOTHING,),
@@ -308,6 +309,17 @@ def _label(layer: Config) -> str:
     """A layer as a report names it: its file, its `--config '...'`, or "the command line"."""
     named = layer.source.startswith("--") or os.path.isabs(layer.source.split(" [")[0])
     return layer.source if named else f"the {layer.source or 'arguments'}"
+
+
+def lowered(layers: list[Config]) -> tuple[tuple[str, str, str], ...]:
+    """(code, severity, layer) for each rule whose severity ends below error, with the layer
+    that set it (the last one to)."""
+    by: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        for code, level in layer.severity.items():
+            by[code] = (str(level), _label(layer))
+    return tuple((code, level, label) for code, (level, label) in by.items()
+                 if level != str(Severity.ERROR))
 
 
 def switched_off(layers: list[Config], codes: list[str]) -> tuple[tuple[str, str], ...]:

@@ -150,8 +150,14 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
                                                                 batch.area)
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
+    beside: bool | None = None  # whether images belong in this cache folder: asked once
     for entry, given in sharded.expand(batch.entries(options.exclude), deep):
         files += 1
+        if entry.area == "cache" and entry.role not in (LATENT, TEXT):
+            if beside is None:
+                beside = naming.images_belong()
+            if beside:
+                entry = entry._replace(area="images")
         if options.keep_paths:
             paths.append(entry.path)
         # A reader or rule that raises costs that file a CD002 finding, never the scan.
@@ -291,8 +297,10 @@ class Root:
 def walk_roots(layouts: Iterable[Layout]) -> list[Root]:
     """Each distinct directory to walk. One directory named twice (a kohya image dir that is
     also its cache, an image dir that is a cache dir) is walked once, for the first dataset,
-    as a cache dir if either names it so. A trainer's dir that does not exist is CD408's."""
-    roots: dict[str, Root] = {}
+    as a cache dir if either names it so; except an image dir (of images only) that two
+    datasets name, walked for each. A trainer's dir that does not exist is CD408's."""
+    roots: dict[str | tuple[str, str], Root] = {}
+    beside: set[str] = set()  # dirs a dataset keeps its caches in, beside its images
     for layout in layouts:
         for dataset in layout.datasets:
             named = [(d, "cache", True) for d in dataset.cache_dirs]
@@ -302,9 +310,19 @@ def walk_roots(layouts: Iterable[Layout]) -> list[Root]:
                 if layout.trainer != "bare" and not os.path.exists(path):
                     continue
                 real = os.path.realpath(path)
+                key: str | tuple[str, str] = real
                 found = roots.get(real)
+                if (found is not None and area == found.area == "images"
+                        and found.dataset != dataset.id and real not in beside
+                        and not dataset.caches_beside_images):
+                    # one image dir of two datasets (two model families trained on the same
+                    # images): each needs its images for coverage; only images there, stat'ed
+                    key = (real, dataset.id)
+                    found = roots.get(key)
+                if dataset.caches_beside_images and area == "images":
+                    beside.add(real)
                 if found is None:
-                    roots[real] = Root(path, dataset.id, area, recursive)
+                    roots[key] = Root(path, dataset.id, area, recursive)
                 else:
                     found.recursive |= recursive
                     if area == "cache":

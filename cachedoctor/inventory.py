@@ -40,7 +40,8 @@ TEMP_PATTERN = re.compile(
 METADATA_PATTERN = re.compile(
     r"^(aspect_ratio_bucket_(indices|metadata)_.+\.json|aggregate\.pt|\.aitk_size\.json"
     r"|metadata_cache\.json|all_(image|vae_cache|text_cache)_files_.+\.json"
-    r"|dataset_info\.json|state\.json|dataset_dict\.json|grouping_keys\.json)$"
+    r"|dataset_info\.json|state\.json|dataset_dict\.json|grouping_keys\.json"
+    r"|cachedoctor\.toml)$"  # cachedoctor's own config may sit in the cache it is about
 )
 # SimpleTuner md5(caption)-<family>.pt; kohya's text-encoder npz suffixes; musubi-tuner's
 # <stem>_<arch>_te.safetensors.

@@ -29,6 +29,7 @@ its files compared per architecture (`_sdxl.npz`, `_flux.npz`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -149,9 +150,18 @@ class BareNaming(Naming):
         return _Directory(self, path, bucket)
 
 
+@functools.lru_cache(maxsize=256)
+def _beside_images(path: str, _mtime_ns: int) -> bool:
+    """Whether `path`, a folder deep in a bare tree, is a kohya image dir or an ai-toolkit image
+    folder (as `layout` tells for the folder scanned). Per worker, once per folder as it is
+    (the mtime in the key): a big folder's batches would each list it again."""
+    return _kohya_image_dir(path) or os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
+
+
 class _Directory(DirectoryNaming):
     def __init__(self, naming: BareNaming, path: str, bucket: str | None) -> None:
         super().__init__(bucket)
+        self.path = path
         base = os.path.basename(path)
         self.kind = None
         self.folder = CacheFacts(bucket=bucket)  # made once: most files get exactly this
@@ -162,6 +172,13 @@ class _Directory(DirectoryNaming):
             self.kind = "onetrainer"
             self.onetrainer = onetrainer.OneTrainerNaming(naming.aggregates).directory(
                 path, bucket, "cache")
+
+    def images_belong(self) -> bool:
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return False
+        return _beside_images(self.path, mtime)
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if self.kind == "ai-toolkit" and name.endswith(".safetensors"):

@@ -130,6 +130,12 @@ class DirectoryNaming:
     def __init__(self, bucket: str | None = None) -> None:
         self.bucket = bucket
 
+    def images_belong(self) -> bool:
+        """Whether a trainer keeps its caches beside the images in this directory of a cache
+        dir (kohya's npz, ai-toolkit's `_latent_cache/`): its images and captions are then the
+        trainer's, walked as an image dir's are, no foreign files."""
+        return False
+
     def image(self, name: str) -> tuple[str, bool] | None:
         """(coverage key, whether the trainer expects a cache entry for it) for an image of
         the dataset, or None when this file is no image of the dataset."""

@@ -32,6 +32,13 @@ def state_dir(root: str) -> str:
     return os.path.join(root, STATE_DIR)
 
 
+def plain_run_id(run_id: str) -> bool:
+    """Whether `run_id` is one plain name: a journal may come with a cache someone else wrote,
+    and its run ids name folders of the quarantine that purge deletes (`../..` must not)."""
+    return run_id not in ("", ".", "..") and "/" not in run_id and os.sep not in run_id \
+        and "\0" not in run_id
+
+
 def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
     """Every cache root of the layouts' datasets, absolute, in order, without repeats: their
     cache dirs, or, for caches beside the images (kohya, ai-toolkit), their image dirs. Raises

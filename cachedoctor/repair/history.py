@@ -19,6 +19,7 @@ from cachedoctor.repair.journal import (
     SKIPPED,
     UNDONE,
     Journal,
+    JournalError,
     RunRecord,
 )
 from cachedoctor.repair.plan import QUARANTINE, REENCODE
@@ -85,11 +86,18 @@ class Listed:
     purged: float | None  # when its quarantine was purged
 
 
-def listing(roots: Iterable[str]) -> list[Listed]:
-    """Every run in the journals of `roots`, oldest first."""
+def listing(roots: Iterable[str], unreadable: list[str] | None = None) -> list[Listed]:
+    """Every run in the journals of `roots`, oldest first. A journal that cannot be opened
+    (damaged, a symlink) is left out, and why is added to `unreadable`: one cache's bad
+    journal does not hide the others' runs."""
     out = []
     for root in roots:
-        journal = Journal.existing(root)
+        try:
+            journal = Journal.existing(root)
+        except JournalError as exc:
+            if unreadable is not None:
+                unreadable.append(str(exc))
+            continue
         if journal is None:
             continue
         with journal:

@@ -51,8 +51,9 @@ def remember(roots: Iterable[str]) -> str | None:
     return None
 
 
-def known_roots() -> list[str]:
-    """Every recorded cache that still has a journal, most recently used first."""
+def known_roots(only_readable: bool = True) -> list[str]:
+    """Every recorded cache that still has a journal, most recently used first; only those
+    whose journal opens unless `only_readable` is false (to list the others' errors)."""
     try:
         conn = _connect()
     except (OSError, sqlite3.Error):
@@ -64,4 +65,17 @@ def known_roots() -> list[str]:
     finally:
         conn.close()
     roots = [os.fsdecode(r) for (r,) in rows]
-    return [r for r in roots if os.path.exists(os.path.join(state_dir(r), JOURNAL))]
+    return [r for r in roots if os.path.exists(os.path.join(state_dir(r), JOURNAL))
+            and (not only_readable or _opens(r))]
+
+
+def _opens(root: str) -> bool:
+    """Whether `root`'s journal can be opened: a damaged one (or one behind a symlink) must not
+    stop undo, purge or the run list for every other cache; `--cache DIR` names its error."""
+    from cachedoctor.repair.journal import Journal, JournalError
+
+    try:
+        Journal.open(root).close()
+    except JournalError:
+        return False
+    return True

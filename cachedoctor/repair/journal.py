@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sqlite3
 import time
@@ -60,6 +61,13 @@ CREATE TABLE IF NOT EXISTS actions (
     PRIMARY KEY (run_id, seq)
 );
 """
+
+# table -> the columns SCHEMA gives it (the first word of each column line)
+COLUMNS = {
+    table: frozenset(line.split()[0] for line in body.strip().splitlines()
+                     if not line.strip().startswith("PRIMARY"))
+    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\n\);", SCHEMA, re.S)
+}
 
 RUNNING, DONE, FAILED, INTERRUPTED = "running", "done", "failed", "interrupted"
 UNDOING, UNDONE, UNDO_INCOMPLETE = "undoing", "undone", "undo-incomplete"
@@ -138,6 +146,13 @@ class Journal:
             atomic.fsync_dir(root)
         except FileExistsError:
             pass
+        for link in (state_dir(root), path, path + "-journal"):
+            if os.path.islink(link):  # sqlite would follow it: write, or delete, outside the cache
+                raise JournalError(f"{link} is a symlink: cachedoctor keeps its state in the cache "
+                                   "itself, never through a link; remove the link")
+        if not os.path.isdir(state_dir(root)):
+            raise JournalError(f"{state_dir(root)} is not a folder: cachedoctor keeps its state "
+                               "there; move that file away")
         try:
             conn = sqlite3.connect(path, timeout=30)
             conn.execute("PRAGMA journal_mode=DELETE")
@@ -151,6 +166,12 @@ class Journal:
                 with conn:
                     conn.executescript(SCHEMA)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            for table, columns in COLUMNS.items():  # another program's database, or a forged one
+                have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+                if not columns <= have:
+                    conn.close()
+                    raise JournalError(f"{path} is no cachedoctor journal: its table {table} "
+                                       f"lacks {', '.join(sorted(columns - have))}")
         except sqlite3.Error as exc:
             raise JournalError(f"cannot open the journal {path}: {exc}") from None
         return cls(root, conn)

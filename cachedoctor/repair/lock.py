@@ -138,9 +138,13 @@ class _InCache(int):
 
 def _in_cache(root: str, deadline: float) -> int | None:
     """flock `<root>/.cachedoctor/lock` where `.cachedoctor/` exists (never created here)."""
-    try:
-        fd = os.open(os.path.join(state_dir(root), LOCK),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:  # `.cachedoctor` itself opened without following a symlink: no lock file made elsewhere
+        folder = os.open(state_dir(root), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
+                         dir_fd=folder)
+        finally:
+            os.close(folder)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ELOOP):
             return None  # no .cachedoctor/ (or one we cannot write): the state dir's lock rules

@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cachedoctor.repair import index, lock
-from cachedoctor.repair.caches import QUARANTINE_DIR, state_dir
+from cachedoctor.repair import confined, index, lock
+from cachedoctor.repair.caches import QUARANTINE_DIR, plain_run_id, state_dir
 from cachedoctor.repair.journal import RUNNING, UNDOING, UNDONE, Journal
 from cachedoctor.repair.rollback import recover
 
@@ -93,8 +93,8 @@ def targets(run_id: str | None, older_than: float | None,
         with journal:
             purged = purged_in(journal)
             for run in journal.runs():
-                if run.run_id in purged:
-                    continue
+                if run.run_id in purged or not plain_run_id(run.run_id):
+                    continue  # purged already; or no name of ours (a hostile journal's `../..`)
                 if run_id is not None and run.run_id != run_id:
                     continue
                 if older_than is not None and run.started > now - older_than:
@@ -154,19 +154,38 @@ def purge(chosen: list[Target], wait: float = 0.0) -> list[Purged]:
                     journal.conn.execute(TABLE)
                     journal.conn.execute("INSERT OR REPLACE INTO purged VALUES (?, ?, ?, ?)",
                                          (target.run_id, time.time(), files, size))
-            failed = _delete(target.directory)
+            failed = _delete(target.root, target.run_id)
             out.append(Purged(Target(target.root, target.run_id, files, size), tuple(notes),
                               tuple(failed[:1])))
     return out
 
 
-def _delete(directory: str) -> list[str]:
-    """Delete the tree; why each part that stays could not go."""
+def _delete(root: str, run_id: str) -> list[str]:
+    """Delete the run's quarantine tree; why each part that stays could not go. The quarantine
+    is reached through folder descriptors (confined.py) and deleted by name in its folder: a
+    `.cachedoctor`, `quarantine` or run folder that is a symlink leads nowhere outside."""
     failed: list[str] = []
 
     def note(_func: object, path: str, info: tuple) -> None:
         failed.append(f"cannot delete {path}: {getattr(info[1], 'strerror', None) or info[1]}")
 
-    if os.path.isdir(directory):
-        shutil.rmtree(directory, onerror=note)
+    if not plain_run_id(run_id):
+        return [f"cannot delete {quarantine_of(root, run_id)}: {run_id!r} is no run id"]
+    try:
+        root_fd = confined.open_root(root)
+    except OSError as exc:
+        return [f"cannot open {root}: {exc.strerror or exc}"]
+    try:
+        folder = confined.open_dir(root_fd, os.path.join(state_dir("."), QUARANTINE_DIR))
+    except confined.Gone:
+        return failed
+    except (confined.Moved, OSError) as exc:
+        return [f"cannot delete {quarantine_of(root, run_id)}: {exc}"]
+    finally:
+        os.close(root_fd)
+    try:
+        if confined.lstat_at(folder, run_id) is not None:
+            shutil.rmtree(run_id, onerror=note, dir_fd=folder)
+    finally:
+        os.close(folder)
     return failed

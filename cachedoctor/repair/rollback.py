@@ -24,7 +24,7 @@ import stat
 from collections.abc import Iterable
 
 from cachedoctor.repair import atomic, confined
-from cachedoctor.repair.caches import QUARANTINE_DIR, ActionPaths, state_dir
+from cachedoctor.repair.caches import QUARANTINE_DIR, ActionPaths, plain_run_id, state_dir
 from cachedoctor.repair.journal import (
     CONFLICT,
     IN_FLIGHT,
@@ -47,6 +47,8 @@ def roll_back(record: ActionRecord, root: str) -> str | None:
     """Undo what `record`'s action did to its file; None when it is back, else why it was left.
     Works through folder descriptors from the root (confined.py): a folder of the cache swapped
     for a symlink since the run leaves the file where it is, reported, never moved out."""
+    if not plain_run_id(record.run_id):  # a hostile journal's: its temp names are no one's
+        return f"{record.run_id!r} is no run id cachedoctor writes: {record.relpath!r} left alone"
     root_fd = confined.open_root(root)
     fds: list[int] = []
     try:
@@ -188,7 +190,8 @@ def undo_in(journal: Journal, run_id: str) -> tuple[int, list[str]]:
             restored += 1
     journal.set_run_state(run_id, UNDO_INCOMPLETE if conflicts else UNDONE)
     quarantine = os.path.join(state_dir(journal.root), QUARANTINE_DIR)
-    _prune(os.path.join(quarantine, run_id))
+    if plain_run_id(run_id):  # a hostile journal's `../..` names no folder of ours
+        _prune(os.path.join(quarantine, run_id))
     with contextlib.suppress(OSError):  # the quarantine dir itself, where no other run uses it
         os.rmdir(quarantine)
     return restored, conflicts

@@ -127,13 +127,13 @@ from cachedoctor.cli import main
 moves, after, sig = [0], int(sys.argv[1]), getattr(signal, sys.argv[2])
 real = atomic.move_at
 
-def move(*args, **kwargs):  # the signal lands after `after` files moved, as the next one starts
+def move_at(*args, **kwargs):  # the signal lands after `after` files moved, as the next one starts
     if moves[0] == after:
         os.kill(os.getpid(), sig)
     moves[0] += 1
     return real(*args, **kwargs)
 
-atomic.move_at = move
+atomic.move_at = move_at
 sys.argv = ["cachedoctor", *sys.argv[3:]]
 main()
 """
