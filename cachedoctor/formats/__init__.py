@@ -179,7 +179,10 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
             fmt != NPY if ext in NUMPY_EXTENSIONS else fmt != promised)):
         # the loader unpickles these bytes whatever they look like (an image header, a
         # safetensors length, text): a protocol-0 pickle needs no magic
-        meta = _with_pickle(meta, torch_legacy.read(src, path, deep))
+        pickled = torch_legacy.read(src, path, deep)
+        meta = _with_pickle(meta, pickled)
+        if meta.errors and promised == PICKLE and pickled.ok:
+            meta = pickled  # a sound protocol-0/1 pickle under a pickle name: pickle.load reads it
     if top and ext in TORCH_EXTENSIONS and torch_tar.looks_like_tar(head):
         tar = torch_tar.read(src, path)
         if tar is not None:  # torch.load reads the tar; pickle.load would read the stream

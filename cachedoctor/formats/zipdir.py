@@ -33,8 +33,10 @@ ZIP64_LOCATOR = struct.Struct("<4sIQI")  # 20 bytes
 ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")  # 56 bytes
 CD_ENTRY = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes
 LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
-# Just the fields the parser uses: method, crc, sizes, name/extra/comment lengths, offset.
-CD_FIELDS = struct.Struct("<4x6xH4xIIIHHH8xI")
+# Just the fields the parser uses: flags, method, crc, sizes, name/extra/comment lengths, offset.
+CD_FIELDS = struct.Struct("<4x4xHH4xIIIHHH8xI")
+ENCRYPTED = 0x1  # general-purpose flag bit 0: traditional PKWARE encryption
+CRYPT_HEADER = 12  # the bytes it puts before an encrypted entry's data
 LOCAL_HEAD = struct.Struct("<4s22xHH")  # signature, name and extra lengths
 MAX_ENTRIES = 200_000  # per archive: its directory parse stays well under a second
 MAX_WHOLE_ENTRY = 1 << 30  # an entry read whole (read_entry) beyond this is refused
@@ -170,7 +172,7 @@ def read_directory(src: Source) -> ZipDirectory:
     for index in range(n_total):
         if cd[pos : pos + 4] != CD_SIG or pos + CD_ENTRY.size > end:
             raise ZipError(f"central directory entry {index} is damaged (bad signature)")
-        method, crc, csize, usize, nlen, xlen, clen, lho = CD_FIELDS.unpack_from(cd, pos)
+        flags, method, crc, csize, usize, nlen, xlen, clen, lho = CD_FIELDS.unpack_from(cd, pos)
         at = pos + CD_ENTRY.size
         name = cd[at : at + nlen].decode("utf-8", "replace")
         if 0xFFFFFFFF in (usize, csize, lho):
@@ -197,7 +199,9 @@ def read_directory(src: Source) -> ZipDirectory:
                 f"entry '{_shown(name)}' ({csize:,} bytes at offset {data_at:,}) runs past the "
                 f"start of the central directory at {cd_offset:,}"
             )
-        if (method == STORED and csize != usize) or (
+        # (an encrypted stored entry holds its 12-byte encryption header besides the data)
+        stored_extra = CRYPT_HEADER if flags & ENCRYPTED else 0
+        if (method == STORED and csize != usize + stored_extra) or (
                 method == DEFLATED and usize > MAX_RATIO * csize + MAX_OVERFLOW):
             raise ZipError(
                 f"entry '{_shown(name)}' records {usize:,} bytes from {csize:,} "

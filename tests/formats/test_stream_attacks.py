@@ -289,3 +289,14 @@ def test_tar_without_torch_members_is_cd101(tmp_path):
         assert result.returncode != 0
     [finding] = by_code(scan_paths(path.parent), "CD101")
     assert "no 'storages' member" in finding.message
+
+
+def test_a_sound_protocol_0_pickle_under_a_pickle_name_is_a_pickle(tmp_path):
+    """picklescan's benign0_v0.pkl: pickle.load reads it, it names no global: no error."""
+    path = tmp_path / "list.pkl"
+    path.write_bytes(pickle.dumps(["a", "b", "c"], protocol=0))
+    meta = read_path(str(path))
+    assert meta.format == "pickle" and meta.ok and not meta.unsafe_globals, meta.errors
+    # under a torch name the same bytes are no torch file (torch.load wants its magic first)
+    (tmp_path / "list.pt").write_bytes(path.read_bytes())
+    assert read_path(str(tmp_path / "list.pt")).errors

@@ -427,3 +427,32 @@ def test_a_protocol_0_pickle_is_found_by_its_name(paths, tmp_path):
         zf.writestr("table.dat", bytes(4096))  # a data file: not taken for a pickle
     assert read_path(str(path)).unsafe_globals == ("io.open",)
     judged_hostile(path, marker, tmp_path)
+
+
+def _encrypted_stored_zip(name: bytes, data: bytes) -> bytes:
+    """One traditionally encrypted, stored member (flag bit 0): 12 bytes of encryption header
+    before the data, so its compressed size is its size + 12 (as zip tools write it)."""
+    import struct
+    import zlib
+
+    body = b"\x00" * 12 + data  # a stand-in encryption header: only the sizes matter here
+    crc, csize, usize = zlib.crc32(data), len(body), len(data)
+    local = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 1, 0, 0, 0, crc, csize, usize, len(name), 0)
+    central = struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 1, 0, 0, 0, crc, csize, usize,
+                          len(name), 0, 0, 0, 0, 0, 0)
+    cd_offset = len(local) + len(name) + csize
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(central) + len(name), cd_offset, 0)
+    return local + name + body + central + name + end
+
+
+def test_an_encrypted_stored_member_is_no_bomb(tmp_path):
+    """picklescan's benign_password_protected.zip: its member's 12-byte encryption header made
+    the stored sizes differ, which was called a zip bomb (CD101)."""
+    (tmp_path / "notes.zip").write_bytes(_encrypted_stored_zip(b"test.txt", b"hello, world!!!"))
+    meta = read_path(str(tmp_path / "notes.zip"))
+    assert meta.ok, meta.errors
+    # the same sizes without the encryption flag are still refused
+    data = bytearray(_encrypted_stored_zip(b"test.txt", b"hello, world!!!"))
+    data[6] = data[data.index(b"PK\x01\x02") + 8] = 0
+    (tmp_path / "bomb.zip").write_bytes(bytes(data))
+    assert "stored bytes" in read_path(str(tmp_path / "bomb.zip")).errors[0]
