@@ -278,3 +278,17 @@ def test_a_single_file_target_is_labelled_with_its_folder(tmp_path: Path) -> Non
     (finding,) = scan_paths(tmp_path / "latents" / "img_0000.pt").findings
     assert finding.code == "CD102"
     assert finding.dataset == "latents"
+
+
+def test_next_names_reencode_only_when_entries_are_missing() -> None:
+    """After a scan with CD404, the hint says that the plan can encode them (issue #12)."""
+    from cachedoctor.reporters.text import next_steps
+
+    def report(*fixes: str) -> Report:
+        return Report(("cache",), tuple(
+            Finding("CD404" if fix == "reencode" else "CD101", "x", Severity.ERROR, f"cache/{i}.pt",
+                    "m", fix=fix) for i, fix in enumerate(fixes)), files=len(fixes), bytes=0)
+
+    assert "--reencode --encoder SPEC` it also encodes the 2 missing entries" in \
+        next_steps(report("reencode", "reencode", "quarantine"))
+    assert "--reencode" not in next_steps(report("quarantine"))

@@ -130,4 +130,7 @@ def next_steps(report: Report) -> str:
     if not any(f.fix for f in report.findings):
         return f"Next: {explain} and how to fix it."
     targets = " ".join(shlex.quote(display_path(t) if os.path.isabs(t) else t) for t in report.targets)
-    return f"Next: `cachedoctor fix {targets} --dry-run` shows the repair plan; {explain}."
+    missing = sum(1 for f in report.findings if f.fix == "reencode")
+    entries = count(missing, "missing entry", "missing entries")
+    encode = f" (with `--reencode --encoder SPEC` it also encodes the {entries})" if missing else ""
+    return f"Next: `cachedoctor fix {targets} --dry-run` shows the repair plan{encode}; {explain}."
