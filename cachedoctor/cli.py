@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cachedoctor import __version__
-from cachedoctor.cli_usage import Command
+from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, fail
 from cachedoctor.cli_usage import run as run_app
 from cachedoctor.harness.cli import harness_app
 
@@ -28,14 +28,7 @@ app = typer.Typer(
     help="Find and repair broken training caches of diffusion trainers before they burn GPU hours.",
 )
 
-EXIT_FINDINGS, EXIT_USAGE = 1, 2
 PROGRESS_MIN_FILES = 300
-
-
-def fail(message: str) -> typer.Exit:
-    """Print a one-line error and return the exit for usage/environment errors."""
-    typer.echo(f"cachedoctor: error: {message}", err=True)
-    return typer.Exit(EXIT_USAGE)
 
 
 def _version(value: bool) -> None:
@@ -352,7 +345,6 @@ def fix(
     raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose, include_info))
 
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 CANCELLED = "cancelled: nothing changed"
 
 

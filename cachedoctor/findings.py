@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cachedoctor.applied import AppliedPolicy
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.units import BIG_DIGITS, number
 
 
@@ -88,7 +89,7 @@ class Finding:
     message: str
     dataset: str | None = None
     details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    fix: str | None = None
+    fix: FixKind | None = None
 
     def __post_init__(self) -> None:
         message = bounded(self.message)

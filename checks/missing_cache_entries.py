@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity, display_path
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 
@@ -55,6 +56,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="images with no cache entry where the trainer expects one",
     doc=__doc__,
-    fix="reencode",
+    fix=FixKind.REENCODE,
     check_dataset=check_dataset,
 )

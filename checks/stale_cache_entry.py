@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import age
@@ -56,7 +57,7 @@ RULE = Rule(
     severity=Severity.WARNING,
     summary="the source image is newer than its cache entry",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
     settings={"tolerance-seconds": 2.0},
 )

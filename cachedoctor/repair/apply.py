@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cachedoctor.fix_kinds import COMPACT, QUARANTINE, REENCODE, TO_CPU, FixKind
 from cachedoctor.repair import atomic, confined, index, lock
 from cachedoctor.repair.caches import ActionPaths
 from cachedoctor.repair.errors import RepairError
@@ -49,11 +50,11 @@ from cachedoctor.repair.journal import (
     JournalError,
     Planned,
 )
-from cachedoctor.repair.plan import COMPACT, QUARANTINE, REENCODE, TO_CPU, Action, Plan
 from cachedoctor.repair.rollback import recover_caches, roll_back
 
 if TYPE_CHECKING:
     from cachedoctor.repair.encoders import Encoder
+    from cachedoctor.repair.plan import Action, Plan
 
 
 class RunStopped(Exception):
@@ -91,7 +92,7 @@ class RunResult:
         """Actions left undone because their file changed since the plan."""
         return tuple(o for o in self.outcomes if o.state == SKIPPED)
 
-    def count(self, kind: str, state: str = DONE) -> int:
+    def count(self, kind: FixKind, state: str = DONE) -> int:
         return sum(1 for o in self.outcomes if o.action.kind == kind and o.state == state)
 
 

@@ -23,6 +23,7 @@ import os
 import stat
 from collections.abc import Iterable
 
+from cachedoctor.fix_kinds import QUARANTINE, REENCODE
 from cachedoctor.repair import atomic, confined
 from cachedoctor.repair.caches import QUARANTINE_DIR, ActionPaths, state_dir
 from cachedoctor.repair.journal import (
@@ -40,7 +41,6 @@ from cachedoctor.repair.journal import (
     ActionRecord,
     Journal,
 )
-from cachedoctor.repair.plan import QUARANTINE, REENCODE
 
 
 def roll_back(record: ActionRecord, root: str) -> str | None:
