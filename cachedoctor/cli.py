@@ -18,6 +18,7 @@ from cachedoctor.harness.cli import harness_app
 if TYPE_CHECKING:
     from cachedoctor.options import ScanOptions
     from cachedoctor.repair.plan import Reencode
+    from cachedoctor.repair.session import Guard
     from cachedoctor.rule import Rule
 
 app = typer.Typer(
@@ -353,17 +354,19 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
     import contextlib
 
     from cachedoctor.engine import scan as run_scan
-    from cachedoctor.repair import build_plan, recover_caches
+    from cachedoctor.repair import build_plan
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
-    from cachedoctor.repair.lock import LockBusy, locked
+    from cachedoctor.repair.lock import LockBusy
     from cachedoctor.repair.render import render_plan, render_result
+    from cachedoctor.repair.session import guarded
 
     try:
         with contextlib.ExitStack() as stack:
+            guard = None
             if not dry_run:  # a dry run takes no lock and creates nothing
-                stack.enter_context(locked(roots, wait, "fix"))
-                for note in recover_caches(roots):
+                guard = stack.enter_context(guarded(roots, wait, "fix"))
+                for note in guard.notes:
                     typer.echo(note)
             else:
                 _pending_notes(roots)
@@ -399,12 +402,12 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
 
             try:
                 with _sigterm_interrupts():
-                    result = plan.execute(wait=wait, on_start=started,
+                    result = plan.execute(guard=guard, on_start=started,
                                           on_outcome=(lambda _: progress.advance(1)) if progress else None)
             except KeyboardInterrupt:
                 if progress:
                     progress.stop()
-                return _interrupted(begun[0] if begun else None, roots, targets)
+                return _interrupted(begun[0] if begun else None, guard, roots, targets)
             finally:
                 if progress:
                     progress.stop()
@@ -446,18 +449,18 @@ def _sigterm_interrupts():
     return handled()
 
 
-def _interrupted(run_id: str | None, roots: tuple[str, ...], targets: list[str]) -> int:
-    """After Ctrl-C or SIGTERM during apply: roll back the action under way (recovery, with
-    further signals held off), then say what was done and how to finish or undo it."""
+def _interrupted(run_id: str | None, guard: Guard, roots: tuple[str, ...], targets: list[str]) -> int:
+    """After Ctrl-C or SIGTERM during apply: roll back the action under way (recovery under the
+    locks still held, with further signals held off), then say what was done and how to finish
+    or undo it."""
     import signal
 
-    from cachedoctor.repair import recover_caches
     from cachedoctor.repair.history import accounts
     from cachedoctor.repair.render import render_interrupted
 
     held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        recover_caches(roots)  # also settles a run journaled but stopped before its first change
+        guard.recover()  # also settles a run journaled but stopped before its first change
     except Exception as exc:  # the next fix or undo recovers it: say so, never a traceback
         typer.echo(f"cachedoctor: could not roll back the action under way ({exc}): the next "
                    f"`cachedoctor fix` or `cachedoctor undo {run_id}` does", err=True)

@@ -36,6 +36,7 @@ from cachedoctor.repair.reencode import ReencodeTarget
 if TYPE_CHECKING:
     from cachedoctor.layouts import Dataset, Layout
     from cachedoctor.repair.encoders import Encoder
+    from cachedoctor.repair.session import Guard
 
 # quarantined entries of these rules are encoded again under --reencode (README, the `reencode` action)
 REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD303",
@@ -129,12 +130,14 @@ class Plan:
     def of_kind(self, kind: FixKind) -> tuple[Action, ...]:
         return tuple(a for a in self.actions if a.kind == kind)
 
-    def execute(self, *, run_id: str | None = None, wait: float = 0.0, command: str = "",
+    def execute(self, *, guard: Guard | None = None, run_id: str | None = None, wait: float = 0.0,
+                command: str = "",
                 on_start: Callable[[str], None] | None = None,
                 on_outcome: Callable[[Outcome], None] | None = None) -> RunResult:
-        """Apply the plan (under each cache's lock, journaled; see apply.py). `on_start(run_id)`
-        is called once the run is journaled, before its first change."""
-        return run(self, run_id=run_id, wait=wait, command=command, on_start=on_start,
+        """Apply the plan (under each cache's lock, journaled; see apply.py): under `guard`, the
+        locks the caller took before its scan (session.guarded), else under locks taken for the
+        run. `on_start(run_id)` is called once the run is journaled, before its first change."""
+        return run(self, guard=guard, run_id=run_id, wait=wait, command=command, on_start=on_start,
                    on_outcome=on_outcome)
 
 
