@@ -194,13 +194,6 @@ class Report:
     def counts(self) -> dict[str, int]:
         return {str(s): self.count(s) for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
 
-    @property
-    def reclaimable_bytes(self) -> int:
-        """What a default `fix`, then `purge`, frees: defined once, in reclaim.py."""
-        from cachedoctor.reclaim import reclaimable
-
-        return reclaimable(self.findings)
-
     def fails(self, fail_on: str) -> bool:
         """True when a finding is at or above `fail_on` (`never` never fails)."""
         if fail_on == "never":

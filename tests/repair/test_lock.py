@@ -79,9 +79,8 @@ def test_a_lock_dies_with_its_holder(cache: Path) -> None:
 def test_locks_are_taken_once_per_command_and_exclusive_across(cache: Path) -> None:
     # A command takes its locks once (session.guarded) and hands them down: a second block on
     # the same cache, even in this process, waits like any other run.
-    with locked([str(cache)]):
-        with pytest.raises(LockBusy), locked([str(cache)]):
-            pass
+    with locked([str(cache)]), pytest.raises(LockBusy), locked([str(cache)]):
+        pass
     with locked([str(cache)]):  # released: free again
         pass
     holder = hold(cache, 60)
