@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,7 +14,9 @@ import typer
 from cachedoctor import __version__
 from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, fail
 from cachedoctor.cli_usage import run as run_app
+from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn
 from cachedoctor.harness.cli import harness_app
+from cachedoctor.reporters import FORMATS
 
 if TYPE_CHECKING:
     from cachedoctor.options import ScanOptions
@@ -30,6 +33,7 @@ app = typer.Typer(
 )
 
 PROGRESS_MIN_FILES = 300
+Format = StrEnum("Format", {name.upper(): name for name in FORMATS})  # --format's choices
 
 
 def _version(value: bool) -> None:
@@ -50,12 +54,13 @@ def _root(
 def scan(
     targets: Annotated[list[str], typer.Argument(
         metavar="TARGET...", help="Cache dirs, cache files, trainer configs or project folders.")],
-    fmt: Annotated[str, typer.Option(
-        "--format", metavar="FORMAT", help="text | json | sarif | github | junit")] = "text",
+    fmt: Annotated[Format, typer.Option(
+        "--format", metavar="FORMAT", help=" | ".join(FORMATS))] = Format.TEXT,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", metavar="FILE", help="Write the report to this file; the terminal gets the summary.")] = None,
-    fail_on: Annotated[str | None, typer.Option(
-        metavar="LEVEL", help="Exit 1 on findings at or above: error|warning|info|never (default: error).")] = None,
+    fail_on: Annotated[FailOn | None, typer.Option(
+        metavar="LEVEL",
+        help=f"Exit 1 on findings at or above: {'|'.join(FailOn)} (default: {DEFAULT_FAIL_ON}).")] = None,
     deep: Annotated[bool | None, typer.Option(
         "--deep/--no-deep", help="Read whole tensors: CRC32 of every entry, NaN/Inf.")] = None,
     jobs: Annotated[int | None, typer.Option(
@@ -78,12 +83,8 @@ def scan(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
-    from cachedoctor.reporters import FORMATS, reporter
+    from cachedoctor.reporters import reporter
 
-    if fmt not in FORMATS:
-        raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if fail_on is not None and fail_on not in ("error", "warning", "info", "never"):
-        raise fail(f"unknown --fail-on {fail_on!r}: expected error, warning, info or never")
     _check_jobs(jobs)
     import dataclasses
 
