@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cachedoctor import config as configuration
-from cachedoctor.findings import Report
+from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn, Report
 from cachedoctor.options import default_jobs
 
 Targets = str | os.PathLike | Iterable[str | os.PathLike]
@@ -25,10 +25,10 @@ Targets = str | os.PathLike | Iterable[str | os.PathLike]
 class CacheProblems(Exception):
     """Findings at or above `fail_on`. The message is the human summary; `.report` the data."""
 
-    def __init__(self, report: Report, fail_on: str = "error") -> None:
+    def __init__(self, report: Report, fail_on: FailOn | str = DEFAULT_FAIL_ON) -> None:
         from cachedoctor.reporters.text import brief
 
-        super().__init__(f"cachedoctor found problems at or above {fail_on!r} in "
+        super().__init__(f"cachedoctor found problems at or above {str(fail_on)!r} in "
                          f"{', '.join(report.targets)}:\n{brief(report)}")
         self.report = report
         self.fail_on = fail_on
@@ -54,7 +54,7 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
                    ignore: str | Iterable[str] | None = None,
                    extend_select: str | Iterable[str] | None = None,
                    exclude: str | Iterable[str] | None = None, deep: bool | None = None,
-                   fail_on: str | None = None, baseline: str | os.PathLike | None = None,
+                   fail_on: FailOn | str | None = None, baseline: str | os.PathLike | None = None,
                    severity: Mapping[str, Any] | None = None,
                    rules: Mapping[str, Mapping[str, Any]] | None = None,
                    config: str | os.PathLike | None = None, isolated: bool = False,
@@ -104,7 +104,7 @@ def _scan(targets: tuple[str, ...], policy: configuration.Policy) -> Report:
     return baseline.apply(report).report if baseline else report
 
 
-def preflight(targets: Targets, fail_on: str | None = None, *, group: Any = None,
+def preflight(targets: Targets, fail_on: FailOn | str | None = None, *, group: Any = None,
               **options: Any) -> Report:
     """Scan before training and raise CacheProblems when a finding reaches `fail_on`
     (default: the config file's `fail-on`, else "error"); return the Report otherwise.
@@ -152,7 +152,7 @@ def _portable(exc: Exception) -> Exception:
     return exc
 
 
-def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: str | None,
+def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: FailOn | str | None,
              options: dict[str, Any]) -> tuple[Report, configuration.Policy]:
     from cachedoctor import engine
     from cachedoctor.baseline import Baseline

@@ -5,19 +5,23 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cachedoctor import __version__
-from cachedoctor.cli_usage import Command
+from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, fail
 from cachedoctor.cli_usage import run as run_app
+from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn
 from cachedoctor.harness.cli import harness_app
+from cachedoctor.reporters import FORMATS
 
 if TYPE_CHECKING:
     from cachedoctor.options import ScanOptions
     from cachedoctor.repair.plan import Reencode
+    from cachedoctor.repair.session import Guard
     from cachedoctor.rule import Rule
 
 app = typer.Typer(
@@ -28,14 +32,8 @@ app = typer.Typer(
     help="Find and repair broken training caches of diffusion trainers before they burn GPU hours.",
 )
 
-EXIT_FINDINGS, EXIT_USAGE = 1, 2
 PROGRESS_MIN_FILES = 300
-
-
-def fail(message: str) -> typer.Exit:
-    """Print a one-line error and return the exit for usage/environment errors."""
-    typer.echo(f"cachedoctor: error: {message}", err=True)
-    return typer.Exit(EXIT_USAGE)
+Format = StrEnum("Format", {name.upper(): name for name in FORMATS})  # --format's choices
 
 
 def _version(value: bool) -> None:
@@ -56,12 +54,13 @@ def _root(
 def scan(
     targets: Annotated[list[str], typer.Argument(
         metavar="TARGET...", help="Cache dirs, cache files, trainer configs or project folders.")],
-    fmt: Annotated[str, typer.Option(
-        "--format", metavar="FORMAT", help="text | json | sarif | github | junit")] = "text",
+    fmt: Annotated[Format, typer.Option(
+        "--format", metavar="FORMAT", help=" | ".join(FORMATS))] = Format.TEXT,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", metavar="FILE", help="Write the report to this file; the terminal gets the summary.")] = None,
-    fail_on: Annotated[str | None, typer.Option(
-        metavar="LEVEL", help="Exit 1 on findings at or above: error|warning|info|never (default: error).")] = None,
+    fail_on: Annotated[FailOn | None, typer.Option(
+        metavar="LEVEL",
+        help=f"Exit 1 on findings at or above: {'|'.join(FailOn)} (default: {DEFAULT_FAIL_ON}).")] = None,
     deep: Annotated[bool | None, typer.Option(
         "--deep/--no-deep", help="Read whole tensors: CRC32 of every entry, NaN/Inf.")] = None,
     jobs: Annotated[int | None, typer.Option(
@@ -84,12 +83,8 @@ def scan(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
-    from cachedoctor.reporters import FORMATS, reporter
+    from cachedoctor.reporters import reporter
 
-    if fmt not in FORMATS:
-        raise fail(f"unknown --format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if fail_on is not None and fail_on not in ("error", "warning", "info", "never"):
-        raise fail(f"unknown --fail-on {fail_on!r}: expected error, warning, info or never")
     _check_jobs(jobs)
     import dataclasses
 
@@ -381,7 +376,6 @@ def fix(
     raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose, include_info))
 
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 CANCELLED = "cancelled: nothing changed"
 
 
@@ -390,17 +384,19 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
     import contextlib
 
     from cachedoctor.engine import scan as run_scan
-    from cachedoctor.repair import build_plan, recover_caches
+    from cachedoctor.repair import build_plan
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
-    from cachedoctor.repair.lock import LockBusy, locked
+    from cachedoctor.repair.lock import LockBusy
     from cachedoctor.repair.render import render_plan, render_result
+    from cachedoctor.repair.session import guarded
 
     try:
         with contextlib.ExitStack() as stack:
+            guard = None
             if not dry_run:  # a dry run takes no lock and creates nothing
-                stack.enter_context(locked(roots, wait, "fix"))
-                for note in recover_caches(roots):
+                guard = stack.enter_context(guarded(roots, wait, "fix"))
+                for note in guard.notes:
                     typer.echo(note)
             else:
                 _pending_notes(roots)
@@ -436,12 +432,12 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
 
             try:
                 with _sigterm_interrupts():
-                    result = plan.execute(wait=wait, on_start=started,
+                    result = plan.execute(guard=guard, on_start=started,
                                           on_outcome=(lambda _: progress.advance(1)) if progress else None)
             except KeyboardInterrupt:
                 if progress:
                     progress.stop()
-                return _interrupted(begun[0] if begun else None, roots, targets)
+                return _interrupted(begun[0] if begun else None, guard, roots, targets)
             finally:
                 if progress:
                     progress.stop()
@@ -483,18 +479,18 @@ def _sigterm_interrupts():
     return handled()
 
 
-def _interrupted(run_id: str | None, roots: tuple[str, ...], targets: list[str]) -> int:
-    """After Ctrl-C or SIGTERM during apply: roll back the action under way (recovery, with
-    further signals held off), then say what was done and how to finish or undo it."""
+def _interrupted(run_id: str | None, guard: Guard, roots: tuple[str, ...], targets: list[str]) -> int:
+    """After Ctrl-C or SIGTERM during apply: roll back the action under way (recovery under the
+    locks still held, with further signals held off), then say what was done and how to finish
+    or undo it."""
     import signal
 
-    from cachedoctor.repair import recover_caches
     from cachedoctor.repair.history import accounts
     from cachedoctor.repair.render import render_interrupted
 
     held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        recover_caches(roots)  # also settles a run journaled but stopped before its first change
+        guard.recover()  # also settles a run journaled but stopped before its first change
     except Exception as exc:  # the next fix or undo recovers it: say so, never a traceback
         typer.echo(f"cachedoctor: could not roll back the action under way ({exc}): the next "
                    f"`cachedoctor fix` or `cachedoctor undo {run_id}` does", err=True)

@@ -1,6 +1,8 @@
 """What the command line shows around its commands: usage lines as the README writes them
-(`cachedoctor scan [OPTIONS] TARGET...`, where typer writes `{targets}...`), and a usage error
-as one line on stderr (typer prints three: the usage, a hint, the error)."""
+(`cachedoctor scan [OPTIONS] TARGET...`, where typer writes `{targets}...`), a usage error as one
+line on stderr (typer prints three: the usage, a hint, the error), and the exit codes. A leaf
+module: every command group (cli.py, harness/cli.py) imports `fail` from here, never from the
+entry module that mounts them."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ from typing import Any
 import typer
 from typer.core import TyperArgument, TyperCommand
 
-EXIT_USAGE = 2
+EXIT_FINDINGS, EXIT_USAGE = 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+
+
+def fail(message: str) -> typer.Exit:
+    """Print a one-line error and return the exit for usage/environment errors."""
+    typer.echo(f"cachedoctor: error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
 
 
 class Command(TyperCommand):

@@ -37,12 +37,12 @@ from types import MappingProxyType
 from typing import Any
 
 from cachedoctor.applied import AppliedPolicy
-from cachedoctor.findings import Severity
+from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn, Severity
 from cachedoctor.options import ScanOptions, Selection, resolve_selection
 
 CONFIG_FILE = "cachedoctor.toml"
 PYPROJECT = "pyproject.toml"
-FAIL_ON = ("error", "warning", "info", "never")
+FAIL_ON = tuple(FailOn)
 KEYS = ("select", "extend-select", "ignore", "exclude", "fail-on", "deep", "baseline", "severity",
         "rules")
 NOTHING = "NONE"  # a select entry that matches no code: what an empty selection becomes
@@ -62,7 +62,7 @@ class Config:
 
     selection: tuple[Selection, ...] = ()
     exclude: tuple[str, ...] = ()  # globs; relative ones with a / made absolute
-    fail_on: str | None = None
+    fail_on: FailOn | None = None
     deep: bool | None = None
     baseline: str | None = None  # absolute path
     severity: Mapping[str, Severity] = field(default_factory=_frozen)
@@ -90,7 +90,7 @@ class Policy:
     """Everything a run needs to know: what to scan with, when to fail, what is known."""
 
     options: ScanOptions
-    fail_on: str = "error"
+    fail_on: FailOn = DEFAULT_FAIL_ON
     baseline: str | None = None
     applied: AppliedPolicy = field(default_factory=AppliedPolicy)  # config layers, rules off
 
@@ -154,8 +154,10 @@ def parse(table: Any, source: str, prefix: str = "", base: str | None = None) ->
         ignore=(*(_selectors(table, "ignore", error) or ()), *off),
     )
     fail_on = table.get("fail-on")
-    if fail_on is not None and fail_on not in FAIL_ON:
-        raise error("fail-on", f"expected one of {', '.join(FAIL_ON)}, got {fail_on!r}")
+    if fail_on is not None:
+        if fail_on not in FAIL_ON:
+            raise error("fail-on", f"expected one of {', '.join(FAIL_ON)}, got {fail_on!r}")
+        fail_on = FailOn(fail_on)  # parsed here, once: a FailOn from now on
     deep = table.get("deep")
     if deep is not None and not isinstance(deep, bool):
         raise error("deep", f"expected true or false, got {deep!r}")
@@ -302,7 +304,7 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
         severity=merged.severity,
         settings=merged.rules,
     )
-    return Policy(options, merged.fail_on or "error", merged.baseline, applied)
+    return Policy(options, merged.fail_on or DEFAULT_FAIL_ON, merged.baseline, applied)
 
 
 def _label(layer: Config) -> str:

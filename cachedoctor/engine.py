@@ -210,11 +210,11 @@ def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
         if entry.role == IMAGE_ROLE:
             image = naming.image(entry.path[cut:])
             if image is not None:
-                row = (key, IMAGE_SIDE, image[0], entry.path, meta.mtime, int(image[1]), None)
+                row = CoverageRow(key, IMAGE_SIDE, image[0], entry.path, meta.mtime, int(image[1]), None)
         elif entry.role == LATENT:
             facts = naming.cache(entry.path[cut:], meta)
             if facts.key is not None:
-                row = (key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0, facts.naming)
+                row = CoverageRow(key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0, facts.naming)
     return row, summarize(entry, meta, facts, verdict.content if verdict else None, naming.group)
 
 
@@ -490,7 +490,7 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
     datasets = datasets_of(layouts)
     listing = options.shard is None or options.shard[0] == 0  # sharded: rank 0 lists, once
     for dataset in datasets.values() if listing else ():  # the trainer's metadata, for CD405
-        phase.store.add_coverage([(dataset.id, LISTED_SIDE, None, path, 0.0, 0, None)
+        phase.store.add_coverage([CoverageRow(dataset.id, LISTED_SIDE, None, path, 0.0, 0, None)
                                   for path in dataset.listed_images])
     batches_ = plan(layouts, options)
     if on_listed is not None:

@@ -7,11 +7,12 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from types import MappingProxyType
 from typing import Any
 
 from cachedoctor.applied import AppliedPolicy
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.units import BIG_DIGITS, number
 
 
@@ -29,6 +30,32 @@ class Severity(IntEnum):
             return cls[text.strip().upper()]
         except KeyError:
             raise ValueError(f"unknown severity {text!r}: expected error, warning or info") from None
+
+
+class FailOn(StrEnum):
+    """When a scan fails (exit 1, CacheProblems): on a finding at or above a severity, or never."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+    NEVER = "never"
+
+    @property
+    def threshold(self) -> Severity | None:
+        """The least severity that fails; None for `never`."""
+        return None if self is FailOn.NEVER else Severity[self.name]
+
+    @classmethod
+    def of(cls, value: FailOn | str) -> FailOn:
+        """`value` as a FailOn ("Warning" too); ValueError names the levels."""
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            raise ValueError(f"unknown fail-on level {value!r}: expected "
+                             f"{', '.join(cls)}") from None
+
+
+DEFAULT_FAIL_ON = FailOn.ERROR  # the setting's one default (config, command line, API)
 
 
 def _frozen(details: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -88,7 +115,7 @@ class Finding:
     message: str
     dataset: str | None = None
     details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    fix: str | None = None
+    fix: FixKind | None = None
 
     def __post_init__(self) -> None:
         message = bounded(self.message)
@@ -193,19 +220,10 @@ class Report:
     def counts(self) -> dict[str, int]:
         return {str(s): self.count(s) for s in (Severity.ERROR, Severity.WARNING, Severity.INFO)}
 
-    @property
-    def reclaimable_bytes(self) -> int:
-        """What a default `fix`, then `purge`, frees: defined once, in reclaim.py."""
-        from cachedoctor.reclaim import reclaimable
-
-        return reclaimable(self.findings)
-
-    def fails(self, fail_on: str) -> bool:
+    def fails(self, fail_on: FailOn | str) -> bool:
         """True when a finding is at or above `fail_on` (`never` never fails)."""
-        if fail_on == "never":
-            return False
-        threshold = Severity.parse(fail_on)
-        return any(f.severity >= threshold for f in self.findings)
+        threshold = FailOn.of(fail_on).threshold
+        return threshold is not None and any(f.severity >= threshold for f in self.findings)
 
-    def exit_code(self, fail_on: str = "error") -> int:
+    def exit_code(self, fail_on: FailOn | str = DEFAULT_FAIL_ON) -> int:
         return 1 if self.fails(fail_on) else 0

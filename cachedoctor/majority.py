@@ -88,7 +88,7 @@ def split_finding(rule: Rule, path: str, ctx: RuleContext, subject: str, verdict
     message = (f"{subject} split with no clear majority: {'; '.join(parts)}. Neither side is "
                f"known to be the foreign one (a clear majority holds {CLEAR_TEXT} of the files): "
                "check which is right; fix leaves them alone")
-    finding = rule.finding(path, message, ctx, fix=False,
+    finding = rule.finding(path, message, ctx, fix=None,
                            values=[label(v) for v, _ in ranked(verdict.counts)],
                            counts={label(v): n for v, n in verdict.counts.items()},
                            examples={label(v): named[v] for v in named}, **details)

@@ -22,9 +22,8 @@ from typing import Any, Protocol
 
 from cachedoctor.checks import interrupted_write
 from cachedoctor.findings import Severity
+from cachedoctor.fix_kinds import COMPACT, FILE_FIXES, QUARANTINE, FixKind
 
-QUARANTINE, COMPACT, TO_CPU = "quarantine", "compact", "to-cpu"
-FIXES = (QUARANTINE, COMPACT, TO_CPU)  # the order one file's action is chosen in
 RECENT = interrupted_write.RECENT_SECONDS
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -33,7 +32,7 @@ class _Finding(Protocol):
     code: str
     severity: Severity
     path: str
-    fix: str | None
+    fix: FixKind | None
     details: Mapping[str, Any]
 
 
@@ -48,13 +47,13 @@ def young_temp(finding: _Finding) -> bool:
         finding.details.get("age_seconds", RECENT) < RECENT
 
 
-def kind_of(fixes: Iterable[str | None]) -> str:
+def kind_of(fixes: Iterable[FixKind | None]) -> FixKind:
     """The one action for a file several findings name: quarantine, else compact, else to-cpu."""
     fixes = set(fixes)
-    return next(k for k in FIXES if k in fixes)
+    return next(k for k in FILE_FIXES if k in fixes)
 
 
-def freed(kind: str, size: int, findings: Iterable[_Finding], path: str | None = None) -> int:
+def freed(kind: FixKind, size: int, findings: Iterable[_Finding], path: str | None = None) -> int:
     """Bytes the cache shrinks by (after purge) when `kind` acts on the file `path` of `size`
     bytes."""
     if kind == QUARANTINE:
@@ -92,7 +91,7 @@ def reclaimable(findings: Iterable[_Finding], include_info: bool = False) -> int
     """What a fix of these findings, then a purge of its quarantine, frees (see the module doc)."""
     files: dict[str, list[_Finding]] = {}
     for finding in findings:
-        if not acted_on(finding, include_info) or finding.fix not in FIXES or young_temp(finding):
+        if not acted_on(finding, include_info) or finding.fix not in FILE_FIXES or young_temp(finding):
             continue
         listed = finding.details.get("files")
         for path in ([str(p) for p in listed] if listed and os.path.isdir(finding.path) else [finding.path]):

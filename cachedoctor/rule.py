@@ -16,16 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 
 if TYPE_CHECKING:
     from cachedoctor.formats.meta import FileMeta
     from cachedoctor.inventory import Entry
     from cachedoctor.layouts.base import Dataset, Layout, Origin
     from cachedoctor.summary import DatasetView
+
+
+class _RulesFix(Enum):
+    RULES_FIX = "the rule's fix"
+
+
+RULES_FIX = _RulesFix.RULES_FIX  # Rule.finding's default: the fix the rule declares
 
 
 class RuleContext(NamedTuple):
@@ -48,7 +57,7 @@ class Rule:
     severity: Severity
     summary: str  # one line for `cachedoctor rules`
     doc: str  # the module docstring: What it does / Why is this bad? / Example / Fix
-    fix: str | None = None  # repair action: quarantine, compact, to-cpu, reencode; None = manual
+    fix: FixKind | None = None  # the repair action; None = manual
     deep: bool = False  # only runs under --deep (reads whole tensors)
     check_file: Callable[[FileMeta, RuleContext], Finding | None] | None = None
     check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
@@ -60,9 +69,10 @@ class Rule:
         return ctx.settings.get(self.code, {}).get(key, self.settings[key])
 
     def finding(self, path: str, message: str, ctx: RuleContext | None = None,
-                fix: str | bool | None = True, **details: Any) -> Finding:
-        """A finding of this rule; `fix=False` when this occurrence cannot be repaired."""
-        action = self.fix if fix is True else (None if fix is False else fix)
+                fix: FixKind | _RulesFix | None = RULES_FIX, **details: Any) -> Finding:
+        """A finding of this rule, repaired by the rule's fix; `fix=None` when this occurrence
+        cannot be repaired."""
+        action = self.fix if fix is RULES_FIX else fix
         return Finding(
             code=self.code,
             name=self.name,

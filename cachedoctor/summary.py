@@ -199,7 +199,8 @@ class SummaryStore:
 
     def coverage_rows(self) -> Iterator[CoverageRow]:
         """Every coverage row, to ship to another process (sharded preflight)."""
-        yield from self._db.execute("SELECT * FROM cov ORDER BY rowid")
+        for row in self._db.execute("SELECT * FROM cov ORDER BY rowid"):
+            yield CoverageRow(*row)
 
     def _index(self) -> None:
         # built once every row is in: cheaper than keeping an index up to date while inserting
@@ -253,8 +254,17 @@ class Group(NamedTuple):
 _group = attrgetter(*Group._fields)  # a summary's Group, as a plain tuple
 
 
-# (dataset, side, key, path, mtime, flag, note)
-CoverageRow = tuple[str, int, "str | None", str, float, int, "str | None"]
+class CoverageRow(NamedTuple):
+    """One image, cache entry or listed image of a dataset, for the coverage queries (a row of
+    the `cov` table, in its column order)."""
+
+    dataset: str
+    side: int  # IMAGE_SIDE, CACHE_SIDE or LISTED_SIDE
+    key: str | None  # the coverage key an image and its cache entry share
+    path: str
+    mtime: float
+    flag: int  # an image the trainer expects a cache entry for
+    note: str | None  # a cache entry's naming scheme ("unhashed", "legacy", ...)
 
 
 class DatasetView:

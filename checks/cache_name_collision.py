@@ -45,7 +45,7 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             f"{' and '.join(names[::-1]) if len(names) == 2 else ', '.join(names)} map to one "
             f"cache entry ({entry}): one image's latent overwrites the other's; rename one, e.g. "
             f"{names[-1]} -> {rename}",
-            ctx, fix=False, images=images, key=key, rename=rename,
+            ctx, fix=None, images=images, key=key, rename=rename,
         )
 
 

@@ -24,6 +24,7 @@ again from its image. A lossless repair is impossible: which bit changed is unkn
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
@@ -41,7 +42,7 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="--deep: a zip entry's bytes do not match its recorded CRC32",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     deep=True,
     check_file=check,
 )

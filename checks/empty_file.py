@@ -20,6 +20,7 @@ CD102 error cache/vae/photos/9c0d41.pt  empty file: 0 bytes where a cache entry 
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import EMPTY, FileMeta
 from cachedoctor.inventory import LATENT, METADATA, TEXT
 from cachedoctor.rule import Rule, RuleContext
@@ -39,6 +40,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="a cache file has zero bytes",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_file=check,
 )

@@ -28,6 +28,7 @@ import re
 import time
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.inventory import TEMP
 from cachedoctor.rule import Rule, RuleContext
@@ -66,7 +67,7 @@ RULE = Rule(
     severity=Severity.WARNING,
     summary="temp files of interrupted atomic writes, stale lock files",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_file=check,
     settings={"stale-lock-seconds": 3600},
 )

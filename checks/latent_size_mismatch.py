@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
@@ -59,6 +60,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="a latent's spatial size is not its bucket's size / VAE factor (trainer metadata)",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
 )

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity, display_path
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.shard_blobs import INDEX_FORMAT
 from cachedoctor.rule import Rule, RuleContext
@@ -75,7 +76,7 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="images with no cache entry where the trainer expects one",
     doc=__doc__,
-    fix="reencode",
+    fix=FixKind.REENCODE,
     check_dataset=check_dataset,
     check_file=check_file,
 )

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import ANY_DEVICE
 from cachedoctor.rule import Rule, RuleContext
@@ -90,7 +91,7 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="one file, or one cache, holds tensors stored on different devices",
     doc=__doc__,
-    fix="to-cpu",
+    fix=FixKind.TO_CPU,
     check_file=check_file,
     check_dataset=check_dataset,
 )

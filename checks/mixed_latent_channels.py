@@ -38,6 +38,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
 from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
@@ -101,6 +102,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="latents of one dataset disagree in channel count (4 vs 16: two VAE families)",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
 )

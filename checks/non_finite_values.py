@@ -21,6 +21,7 @@ ideally with the VAE in fp32 or bf16 (`--vae_dtype`).
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
@@ -40,7 +41,7 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="--deep: NaN or Inf in a latent or embedding",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     deep=True,
     check_file=check,
 )

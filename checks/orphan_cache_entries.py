@@ -30,6 +30,7 @@ import os
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import count
@@ -69,6 +70,6 @@ RULE = Rule(
     severity=Severity.INFO,
     summary="cache entries with no source image (renamed images, old naming schemes)",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
 )

@@ -30,6 +30,7 @@ original and then replaces the file, keeping the original in the quarantine.
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.rule import Rule, RuleContext
 
@@ -87,7 +88,7 @@ RULE = Rule(
     severity=Severity.WARNING,
     summary="a tensor's stored storage is larger than it needs (a saved view of a batch)",
     doc=__doc__,
-    fix="compact",
+    fix=FixKind.COMPACT,
     check_file=check,
     settings={"min-ratio": 1.5, "min-wasted-bytes": 4096},
 )

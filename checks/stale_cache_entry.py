@@ -33,6 +33,7 @@ import os
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.shard_blobs import INDEX_FORMAT
 from cachedoctor.rule import Rule, RuleContext
@@ -73,7 +74,7 @@ RULE = Rule(
     severity=Severity.WARNING,
     summary="the source image is newer than its cache entry",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
     check_file=check_file,
     settings={"tolerance-seconds": 2.0},

@@ -32,6 +32,7 @@ trainers then load it with `map_location` or move it where they need it. Writers
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import ANY_DEVICE
 from cachedoctor.rule import Rule, RuleContext
@@ -69,6 +70,6 @@ RULE = Rule(
     severity=Severity.WARNING,
     summary="tensors stored with a CUDA (or other non-CPU) location",
     doc=__doc__,
-    fix="to-cpu",
+    fix=FixKind.TO_CPU,
     check_file=check,
 )

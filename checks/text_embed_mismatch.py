@@ -35,6 +35,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import TEXT
 from cachedoctor.majority import Verdict, decide, keep, place, split_finding
 from cachedoctor.rule import Rule, RuleContext
@@ -103,6 +104,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="text-embedding files of one dataset disagree in keys or feature sizes (two model families)",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
 )

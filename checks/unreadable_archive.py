@@ -32,6 +32,7 @@ missing entry on its next caching pass.
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats import UNREADABLE
 from cachedoctor.formats.meta import EMPTY, FileMeta
 from cachedoctor.inventory import TEMP
@@ -54,6 +55,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="a cache file cannot be parsed as its format (truncated, half-written, damaged)",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_file=check,
 )

@@ -26,6 +26,7 @@ a clean entry is encoded from the source image. Never open such a file with
 from __future__ import annotations
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
@@ -51,6 +52,6 @@ RULE = Rule(
     severity=Severity.ERROR,
     summary="a pickle imports a global outside the tensor allow-list (never loaded)",
     doc=__doc__,
-    fix="quarantine",
+    fix=FixKind.QUARANTINE,
     check_file=check,
 )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cachedoctor.cli_usage import Command
+from cachedoctor.cli_usage import Command, fail
 from cachedoctor.harness.scenarios import SCENARIOS, load_scenario
 
 if TYPE_CHECKING:
@@ -55,7 +55,6 @@ def verify(scenario: Scenario, ranks: Ranks = 2, device: Device = "cpu", workdir
 
 
 def run(mode: str, scenario: str, ranks: int, device: str, workdir: Path | None, keep: bool, fmt: str) -> None:
-    from cachedoctor.cli import fail
 
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     if scenario != "all" and scenario not in SCENARIOS:

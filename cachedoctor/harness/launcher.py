@@ -1,6 +1,6 @@
 """Start N ranks as real processes in one torch.distributed group, the way torchrun does.
 
-Each rank is `python -m cachedoctor.harness.rank LAUNCH.json` with RANK, WORLD_SIZE and
+Each rank is `python -m cachedoctor.harness.rank_process LAUNCH.json` with RANK, WORLD_SIZE and
 LOCAL_RANK in its environment; the group meets through a file store in the run dir (no ports to
 collide when tests run side by side). Like torchrun's agent, the launcher tears the whole group
 down as soon as one rank fails: a rank that raised writes what it saw to `rank<k>.json` first,
@@ -69,7 +69,7 @@ def launch(spec: dict[str, Any], ranks: int, run_dir: Path, timeout: float) -> L
             env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run behaves as on a CPU-only host, GPUs or not
         log = open(run_dir / f"rank{rank}-{tag}.log", "wb")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(
-            [sys.executable, "-m", "cachedoctor.harness.rank", str(spec_path)],
+            [sys.executable, "-m", "cachedoctor.harness.rank_process", str(spec_path)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
         ), log))
     terminated: set[int] = set()

@@ -1,6 +1,7 @@
-"""One rank of a harness run: `python -m cachedoctor.harness.rank LAUNCH.json` (see launcher.py).
+"""What one rank of a harness run works with: its RankContext (rank, group, project, notes), and
+the helpers its process and the scenarios share. The process itself is rank_process.py.
 
-It joins the group (gloo on the CPU; nccl when every rank has a GPU of its own), runs its
+A rank joins the group (gloo on the CPU; nccl when every rank has a GPU of its own), runs its
 scenario's `run_rank`, and writes what it observed to `rank<k>-<tag>.json` as it goes, so that a
 rank the launcher terminates still tells what it saw. An exception is recorded with the time it
 was raised; the launcher takes the earliest as the failure.
@@ -11,19 +12,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
-import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from cachedoctor.harness.project import Project, shard
-from cachedoctor.harness.scenarios import load_scenario
 
 T = TypeVar("T")
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)
@@ -97,46 +94,7 @@ def write_result(path: Path, data: dict[str, Any]) -> None:
     os.replace(temp, path)
 
 
-def main(argv: list[str]) -> NoReturn:
-    spec = json.loads(Path(argv[1]).read_text())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result_path = Path(spec["run_dir"]) / f"rank{rank}-{spec['tag']}.json"
-    notes: dict[str, Any] = {}
-    try:
-        backend = backend_for(spec["device"], world)
-        device = torch.device("cpu")
-        if spec["device"] == "cuda":
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-            # Repeatable convolutions, so that a loss compared across two runs can be equal.
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
-        dist.init_process_group(backend, init_method=spec["init_method"], rank=rank, world_size=world,
-                                timeout=GROUP_TIMEOUT, device_id=device if backend == "nccl" else None)
-        ctx = RankContext(rank, world, spec["mode"], device, backend,
-                          Project.load(Path(spec["project"])), result_path, notes)
-        ctx.note(backend=backend, device=str(device))
-        load_scenario(spec["scenario"]).run_rank(ctx)
-        ctx.barrier()
-        write_result(result_path, {"rank": rank, "notes": notes})
-        code = 0
-    except BaseException as exc:  # whatever ended the rank is the observation
-        when = time.time()
-        traceback.print_exc()
-        write_result(result_path, {"rank": rank, "notes": notes, "error": describe(exc),
-                                   "error_time": when})
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Exit at once, as a crashed trainer does: no group teardown, no joining of writer threads
-    # (a daemon writer mid-file leaves that file as a real crash would).
-    os._exit(code)
-
-
 def describe(exc: BaseException) -> str:
     """`Type: message`, as the last line of a traceback shows it (`Type` alone with no message)."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
-
-if __name__ == "__main__":
-    main(sys.argv)

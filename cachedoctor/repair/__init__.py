@@ -10,7 +10,7 @@ happens, every replaced or removed file is kept in `<cache>/.cachedoctor/quarant
 from __future__ import annotations
 
 from cachedoctor.repair.plan import Action, Note, Plan, build_plan
-from cachedoctor.repair.rollback import recover_caches
+from cachedoctor.repair.session import recover_caches
 from cachedoctor.repair.undo import undo_run
 
 __all__ = ["Action", "Note", "Plan", "build_plan", "recover_caches", "undo_run"]

@@ -25,6 +25,7 @@ the journal says enough for the next fix or undo to tell which (rollback.recover
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -36,7 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cachedoctor.repair import atomic, confined, index, lock
+from cachedoctor.fix_kinds import COMPACT, QUARANTINE, REENCODE, TO_CPU, FixKind
+from cachedoctor.repair import atomic, confined, index
 from cachedoctor.repair.caches import ActionPaths
 from cachedoctor.repair.errors import RepairError
 from cachedoctor.repair.journal import (
@@ -49,11 +51,12 @@ from cachedoctor.repair.journal import (
     JournalError,
     Planned,
 )
-from cachedoctor.repair.plan import COMPACT, QUARANTINE, REENCODE, TO_CPU, Action, Plan
-from cachedoctor.repair.rollback import recover_caches, roll_back
+from cachedoctor.repair.rollback import roll_back
+from cachedoctor.repair.session import Guard, guarded
 
 if TYPE_CHECKING:
     from cachedoctor.repair.encoders import Encoder
+    from cachedoctor.repair.plan import Action, Plan
 
 
 class RunStopped(Exception):
@@ -91,7 +94,7 @@ class RunResult:
         """Actions left undone because their file changed since the plan."""
         return tuple(o for o in self.outcomes if o.state == SKIPPED)
 
-    def count(self, kind: str, state: str = DONE) -> int:
+    def count(self, kind: FixKind, state: str = DONE) -> int:
         return sum(1 for o in self.outcomes if o.action.kind == kind and o.state == state)
 
 
@@ -100,24 +103,30 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(2)
 
 
-def run(plan: Plan, *, run_id: str | None = None, wait: float = 0.0, command: str = "",
-        on_start: Callable[[str], None] | None = None,
+def run(plan: Plan, *, guard: Guard | None = None, run_id: str | None = None, wait: float = 0.0,
+        command: str = "", on_start: Callable[[str], None] | None = None,
         on_outcome: Callable[[Outcome], None] | None = None) -> RunResult:
+    """Apply `plan` under `guard` (the caller's locks, taken with session.guarded and held since
+    its scan), else under locks taken here for the run (waiting up to `wait` seconds)."""
     run_id = run_id or new_run_id()
     if not plan.actions:
         return RunResult(run_id, ())
     roots = plan.roots
     notes: list[str] = []
     outcomes: list[Outcome] = []
-    with lock.locked(roots, wait, "fix"):
+    with contextlib.ExitStack() as stack:
+        if guard is None:
+            guard = stack.enter_context(guarded(roots, wait))
+            notes += guard.notes
+        elif not guard.covers(roots):
+            raise ValueError(f"the plan's caches are not all under the guard's locks: {', '.join(roots)}")
         journals: dict[str, Journal] = {}
         root_fds: dict[str, int] = {}
         try:
-            notes += recover_caches(roots)
             for root in roots:
                 root_fds[root] = confined.open_root(root)
                 journals[root] = Journal.open(root)
-                lock.hold_in_cache(root)
+                guard.held.hold_in_cache(root)
             _prepare(plan)
             warning = index.remember(roots)
             if warning:

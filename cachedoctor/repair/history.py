@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cachedoctor.fix_kinds import QUARANTINE, REENCODE
 from cachedoctor.repair.journal import (
     CONFLICT,
     DONE,
@@ -22,7 +23,6 @@ from cachedoctor.repair.journal import (
     JournalError,
     RunRecord,
 )
-from cachedoctor.repair.plan import QUARANTINE, REENCODE
 from cachedoctor.repair.purge import purged_in
 
 # How a listing words each action state: never "planned" for an action that finished.

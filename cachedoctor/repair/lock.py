@@ -15,9 +15,9 @@ the file for the message a second run prints. It guards against other cachedocto
 user (and, through `.cachedoctor/lock`, of others): a trainer writing into the cache does not
 take it unless taught to, so stop trainers before a fix.
 
-Locks are re-entrant within a process (the CLI holds a cache's lock from its scan to the end of
-the run, and the plan's `execute` takes it again); a cache inside one this process holds is
-covered by it.
+A `locked` block is taken once per command (session.guarded: with the recovery of interrupted
+runs) and handed down; it is not re-entrant, and nothing under it takes it again. A cache
+inside another root of the same block is covered by that root's lock.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from cachedoctor.repair.caches import LOCK, state_dir
 POLL_SECONDS = 0.1
 LOCKS_DIR = "locks"
 
-_held: dict[str, list[int]] = {}  # real root -> [fds..., depth]: exclusive, this process
-
 
 class LockBusy(Exception):
     """Another run holds a cache's lock (or one of a cache nested in or around it)."""
@@ -48,45 +46,62 @@ class LockBusy(Exception):
                          "finish, or pass --wait SECONDS")
 
 
+class Held:
+    """The locks one `locked` block holds: real root -> its fds (a covered root has none)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, list[int]] = {}
+
+    def covers(self, root: str) -> bool:
+        """Whether `root` is one of the held roots or inside one."""
+        return self._covering(os.path.realpath(root)) is not None
+
+    def hold_in_cache(self, root: str) -> None:
+        """Also flock `<root>/.cachedoctor/lock` for as long as `root`'s lock is held (call it
+        once the run has made `.cachedoctor/`); LockBusy if someone else holds it."""
+        real = os.path.realpath(root)
+        fds = self._fds.get(self._covering(real) or real)
+        if fds is None or any(getattr(fd, "in_cache", False) for fd in fds):
+            return
+        fd = _in_cache(real, time.monotonic())
+        if fd is not None:
+            fds.insert(0, fd)
+
+    def _covering(self, real: str) -> str | None:
+        for held in self._fds:
+            if real == held or real.startswith(held.rstrip(os.sep) + os.sep):
+                return held
+        return None
+
+    def _acquire(self, root: str, deadline: float, command: str) -> None:
+        if self._covering(root) is not None:
+            return
+        self._fds[root] = _acquire(root, deadline, command)
+
+    def _release(self) -> None:
+        for root in reversed(list(self._fds)):
+            for fd in reversed(self._fds.pop(root)):
+                os.close(fd)  # closing the last descriptor drops the flock
+
+
 @contextlib.contextmanager
-def locked(roots: Iterable[str], wait: float = 0.0, command: str = "fix") -> Iterator[None]:
+def locked(roots: Iterable[str], wait: float = 0.0, command: str = "fix") -> Iterator[Held]:
     """Hold the lock of every root (in path order, so two runs never deadlock); wait up to
-    `wait` seconds for each, else raise LockBusy."""
+    `wait` seconds for each, else raise LockBusy. Not re-entrant: a second block on a root this
+    one holds waits for it like any other run."""
     deadline = time.monotonic() + max(wait, 0.0)
-    taken: list[str] = []
+    held = Held()
     try:
         for root in sorted({os.path.realpath(r) for r in roots}):
-            _acquire(root, deadline, command)
-            taken.append(root)
-        yield
+            held._acquire(root, deadline, command)
+        yield held
     finally:
-        for root in reversed(taken):
-            _release(root)
+        held._release()
 
 
 def holder(root: str) -> str:
     """What the lock file of `root` says about its holder: "fix (pid 123)"."""
     return _describe(_read(_lock_file(os.path.realpath(root)))[:2])
-
-
-def hold_in_cache(root: str) -> None:
-    """Also flock `<root>/.cachedoctor/lock` for as long as this process holds `root`'s lock
-    (call it once the run has made `.cachedoctor/`); LockBusy if someone else holds it."""
-    real = os.path.realpath(root)
-    entry = _held.get(_covering(real) or real)
-    if entry is None or any(getattr(fd, "in_cache", False) for fd in entry):
-        return
-    fd = _in_cache(real, time.monotonic())
-    if fd is not None:
-        entry.insert(0, fd)
-
-
-def _covering(real: str) -> str | None:
-    """The root this process holds that is `real` or holds it."""
-    for held in _held:
-        if real == held or real.startswith(held.rstrip(os.sep) + os.sep):
-            return held
-    return None
 
 
 def _lock_dir() -> str:
@@ -108,11 +123,7 @@ def _ancestors(real: str) -> list[str]:
     return sorted(out)
 
 
-def _acquire(root: str, deadline: float, command: str) -> None:
-    covering = _covering(root)
-    if covering is not None:
-        _held[covering].append(-1)  # one level deeper: a -1 marker, popped on release
-        return
+def _acquire(root: str, deadline: float, command: str) -> list[int]:
     os.makedirs(_lock_dir(), exist_ok=True)
     fds: list[int] = []
     try:
@@ -127,7 +138,7 @@ def _acquire(root: str, deadline: float, command: str) -> None:
         for fd in fds:
             os.close(fd)
         raise
-    _held[root] = fds
+    return fds
 
 
 class _InCache(int):
@@ -236,12 +247,3 @@ def _describe(found: tuple[str, str]) -> str:
     pid, command = found
     return f"{command or 'fix'} (pid {pid or 'unknown'})"
 
-
-def _release(root: str) -> None:
-    fds = _held[root]
-    if fds[-1] == -1:
-        fds.pop()
-        return
-    del _held[root]
-    for fd in reversed(fds):
-        os.close(fd)  # closing the last descriptor drops the flock

@@ -24,23 +24,21 @@ from typing import TYPE_CHECKING
 from cachedoctor import reclaim
 from cachedoctor.checks import interrupted_write, missing_cache_entries
 from cachedoctor.findings import Finding, Report
+from cachedoctor.fix_kinds import FILE_FIXES, KINDS, QUARANTINE, REENCODE, REWRITES, FixKind
 from cachedoctor.formats.shard_blobs import unit_files
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.layouts.onetrainer import REBUILT, rebuilds
-from cachedoctor.reclaim import COMPACT, QUARANTINE, TO_CPU
+from cachedoctor.repair.apply import Outcome, RunResult, run
 from cachedoctor.repair.caches import root_of
 from cachedoctor.repair.confined import FileId
 from cachedoctor.repair.reencode import ReencodeTarget
 
 if TYPE_CHECKING:
     from cachedoctor.layouts import Dataset, Layout
-    from cachedoctor.repair.apply import Outcome, RunResult
     from cachedoctor.repair.encoders import Encoder
+    from cachedoctor.repair.session import Guard
 
-REENCODE = "reencode"
-KINDS = (QUARANTINE, COMPACT, TO_CPU, REENCODE)  # the order a run applies them in
-REWRITES = frozenset({COMPACT, TO_CPU})
 # quarantined entries of these rules are encoded again under --reencode (README, the `reencode` action)
 REENCODE_AFTER = frozenset({"CD101", "CD102", "CD103", "CD105", "CD106", "CD301", "CD302", "CD303",
                             "CD406"})
@@ -54,7 +52,7 @@ NOT_A_LATENT = ("no re-encode: not a latent (text-encoder outputs need the text 
 class Action:
     """One change to one file of one cache."""
 
-    kind: str  # quarantine, compact, to-cpu, reencode
+    kind: FixKind
     path: str  # absolute
     root: str  # the cache root whose .cachedoctor/ journals and quarantines it
     codes: tuple[str, ...]  # the findings it resolves
@@ -130,17 +128,17 @@ class Plan:
     def roots(self) -> tuple[str, ...]:
         return tuple(sorted({a.root for a in self.actions}))
 
-    def of_kind(self, kind: str) -> tuple[Action, ...]:
+    def of_kind(self, kind: FixKind) -> tuple[Action, ...]:
         return tuple(a for a in self.actions if a.kind == kind)
 
-    def execute(self, *, run_id: str | None = None, wait: float = 0.0, command: str = "",
+    def execute(self, *, guard: Guard | None = None, run_id: str | None = None, wait: float = 0.0,
+                command: str = "",
                 on_start: Callable[[str], None] | None = None,
                 on_outcome: Callable[[Outcome], None] | None = None) -> RunResult:
-        """Apply the plan (under each cache's lock, journaled; see apply.py). `on_start(run_id)`
-        is called once the run is journaled, before its first change."""
-        from cachedoctor.repair.apply import run
-
-        return run(self, run_id=run_id, wait=wait, command=command, on_start=on_start,
+        """Apply the plan (under each cache's lock, journaled; see apply.py): under `guard`, the
+        locks the caller took before its scan (session.guarded), else under locks taken for the
+        run. `on_start(run_id)` is called once the run is journaled, before its first change."""
+        return run(self, guard=guard, run_id=run_id, wait=wait, command=command, on_start=on_start,
                    on_outcome=on_outcome)
 
 
@@ -166,7 +164,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
                                    "SPEC` encodes it"))
             else:
                 missing.append(finding)
-        elif finding.fix not in (QUARANTINE, COMPACT, TO_CPU):
+        elif finding.fix not in FILE_FIXES:
             notes.append(_skip(finding.code, finding.path, f"no automatic {finding.fix} in this version"))
         elif finding.fix != QUARANTINE and unit_files(finding.path) is not None:
             notes.append(_skip(finding.code, finding.path, "a blob in a diffusion-pipe shard: "

@@ -18,10 +18,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cachedoctor.repair import confined, index, lock
+from cachedoctor.repair import confined, index
 from cachedoctor.repair.caches import QUARANTINE_DIR, plain_run_id, state_dir
 from cachedoctor.repair.journal import RUNNING, UNDOING, UNDONE, Journal
-from cachedoctor.repair.rollback import recover
+from cachedoctor.repair.session import guarded
 
 TABLE = ("CREATE TABLE IF NOT EXISTS purged (run_id TEXT PRIMARY KEY, purged REAL NOT NULL, "
          "files INTEGER NOT NULL, bytes INTEGER NOT NULL)")
@@ -142,10 +142,13 @@ def purge(chosen: list[Target], wait: float = 0.0) -> list[Purged]:
     """Delete the quarantines of `chosen`, each cache under its lock, each purge journaled before
     its first file goes. Raises LockBusy."""
     out = []
-    with lock.locked(sorted({t.root for t in chosen}), wait, "purge"):
+    # guarded recovers first: an interrupted run puts its files back before its quarantine goes
+    with guarded(sorted({t.root for t in chosen}), wait, "purge") as guard:
+        reported: set[str] = set()
         for target in chosen:
+            notes = () if target.root in reported else guard.recovered.get(target.root, ())
+            reported.add(target.root)
             with Journal.open(target.root) as journal:
-                notes = recover(journal)  # an interrupted run puts its files back first
                 run = journal.run(target.run_id)
                 if run is not None and run.state in (RUNNING, UNDOING):
                     continue  # recovery settles these; never reached under the lock

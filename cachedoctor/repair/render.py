@@ -11,11 +11,12 @@ from typing import TextIO
 
 from cachedoctor.checks import missing_cache_entries
 from cachedoctor.findings import display_path
+from cachedoctor.fix_kinds import COMPACT, KINDS, QUARANTINE, REENCODE, TO_CPU
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.repair.apply import RunResult
 from cachedoctor.repair.history import Account, Listed, measure
 from cachedoctor.repair.journal import DONE, FAILED, SKIPPED
-from cachedoctor.repair.plan import COMPACT, KINDS, QUARANTINE, REENCODE, REENCODE_AFTER, TO_CPU, Plan
+from cachedoctor.repair.plan import REENCODE_AFTER, Plan
 from cachedoctor.units import human_bytes
 
 LISTED = 10  # files shown per action (and per skip reason) unless --verbose

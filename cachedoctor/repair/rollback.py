@@ -21,8 +21,8 @@ import contextlib
 import hashlib
 import os
 import stat
-from collections.abc import Iterable
 
+from cachedoctor.fix_kinds import QUARANTINE, REENCODE
 from cachedoctor.repair import atomic, confined
 from cachedoctor.repair.caches import QUARANTINE_DIR, ActionPaths, plain_run_id, state_dir
 from cachedoctor.repair.journal import (
@@ -40,7 +40,6 @@ from cachedoctor.repair.journal import (
     ActionRecord,
     Journal,
 )
-from cachedoctor.repair.plan import QUARANTINE, REENCODE
 
 
 def roll_back(record: ActionRecord, root: str) -> str | None:
@@ -128,23 +127,6 @@ def _same_at(folder: int, name: str, st: os.stat_result, other: int, other_name:
     if (kept.st_dev, kept.st_ino) == (st.st_dev, st.st_ino):
         return True
     return kept.st_size == st.st_size and _sha_at(folder, name) == _sha_at(other, other_name)
-
-
-def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
-    """`recover` every cache of `roots` that has a journal, under its lock (taken here unless
-    the caller holds it). Run it before scanning: a run that was killed may have left a file in
-    the quarantine that goes back to its place."""
-    from cachedoctor.repair import lock
-
-    roots = list(roots)
-    notes = []
-    with lock.locked(roots, wait):
-        for root in roots:
-            journal = Journal.existing(root)
-            if journal is not None:
-                with journal:
-                    notes += recover(journal)
-    return notes
 
 
 def recover(journal: Journal) -> list[str]:

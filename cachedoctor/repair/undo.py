@@ -9,13 +9,14 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cachedoctor.repair import index, lock
+from cachedoctor.repair import index
 from cachedoctor.repair.journal import (
     UNDONE,
     Journal,
     RunRecord,
 )
-from cachedoctor.repair.rollback import recover, undo_in
+from cachedoctor.repair.rollback import undo_in
+from cachedoctor.repair.session import guarded
 
 
 class NothingToUndo(Exception):
@@ -54,10 +55,10 @@ def undo_run(run_id: str | None = None, roots: Iterable[str] | None = None,
     if not found:
         raise NothingToUndo(f"no run {run_id}" + _where(roots))
     results = []
-    with lock.locked([root for root, _ in found], wait, "undo"):
+    with guarded([root for root, _ in found], wait, "undo") as guard:
         for root, _ in found:
+            recovered = guard.recovered.get(root, ())
             with Journal.open(root) as journal:
-                recovered = recover(journal)
                 restored, conflicts = undo_in(journal, run_id)
             results.append(UndoResult(run_id, root, restored, tuple(conflicts), tuple(recovered)))
     return results

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from cachedoctor.findings import Finding, Report, Severity, display_path, printable
 from cachedoctor.findings import wasted as wasted_bytes
+from cachedoctor.reclaim import reclaimable
 from cachedoctor.units import count, human_bytes
 
 STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -116,8 +117,9 @@ def summary_line(report: Report) -> str:
         f"{count(counts['error'], 'error')}, {count(counts['warning'], 'warning')}, "
         f"{counts['info']:,} info",
     ]
-    if report.reclaimable_bytes:
-        parts.append(f"{human_bytes(report.reclaimable_bytes)} reclaimable")
+    freed = reclaimable(report.findings)
+    if freed:
+        parts.append(f"{human_bytes(freed)} reclaimable")
     return " · ".join(parts)
 
 

@@ -20,12 +20,12 @@ from repair_helpers import (
     tree_digest,
 )
 
+from cachedoctor.fix_kinds import COMPACT, QUARANTINE, TO_CPU
 from cachedoctor.fixtures import BUILDERS, clean, mixed_devices, retained_batch, unsafe_pickle
 from cachedoctor.fixtures.devices import stored_as
 from cachedoctor.fixtures.latents import latent_batch, to_bytes
 from cachedoctor.repair import undo_run
 from cachedoctor.repair.journal import DONE, Journal
-from cachedoctor.repair.plan import COMPACT, QUARANTINE, TO_CPU
 from cachedoctor.repair.rewrite import difference
 
 from conftest import by_code, scan_paths

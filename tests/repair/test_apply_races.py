@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from repair_helpers import isolated_state, tree_digest  # noqa: F401
 
+from cachedoctor.fix_kinds import COMPACT, QUARANTINE
 from cachedoctor.fixtures import empty_file, retained_batch
 from cachedoctor.repair import atomic as atomic_module
 from cachedoctor.repair import build_plan, recover_caches, undo_run
 from cachedoctor.repair.apply import RunStopped
 from cachedoctor.repair.journal import FAILED, INTERRUPTED, READY, SKIPPED, Journal
-from cachedoctor.repair.plan import COMPACT, QUARANTINE
 from cachedoctor.repair.render import render_result
 
 from conftest import invoke, scan_paths

@@ -30,12 +30,13 @@ from repair_helpers import (
     tree_digest,
 )
 
+from cachedoctor.fix_kinds import KINDS
 from cachedoctor.fixtures import clean, device_tagged, interrupted_write, retained_batch, truncated_archive
 from cachedoctor.fixtures.images import write_png
 from cachedoctor.repair import build_plan, recover_caches, undo_run
 from cachedoctor.repair.encoders import ReferenceEncoder
 from cachedoctor.repair.journal import Journal
-from cachedoctor.repair.plan import KINDS, Plan, Reencode
+from cachedoctor.repair.plan import Plan, Reencode
 from cachedoctor.repair.reencode import EntryFormat, ReencodeTarget
 from cachedoctor.repair.undo import NothingToUndo
 

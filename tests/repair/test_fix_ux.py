@@ -17,6 +17,7 @@ from repair_helpers import isolated_state, quarantine_of, tree_digest  # noqa: F
 from cachedoctor.fixtures import device_tagged, retained_batch, truncated_archive
 from cachedoctor.fixtures.projects import simpletuner
 from cachedoctor.inventory import STATE_DIR
+from cachedoctor.reclaim import reclaimable
 from cachedoctor.repair import build_plan
 from cachedoctor.units import human_bytes
 
@@ -178,7 +179,7 @@ def test_scan_plan_result_and_disk_agree_on_what_a_fix_frees(cache: Path) -> Non
     report = scan_paths(cache)
     plan = build_plan(report, [str(cache)])
     assert {a.kind for a in plan.actions} == {"quarantine", "compact", "to-cpu"}
-    scanned = report.reclaimable_bytes
+    scanned = reclaimable(report.findings)
     assert scanned == plan.expected_freed_size > 0
 
     summary = run_cli("scan", str(cache)).stdout

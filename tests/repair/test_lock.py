@@ -76,8 +76,12 @@ def test_a_lock_dies_with_its_holder(cache: Path) -> None:
     assert run_cli("fix", str(cache), "--yes").returncode == 0
 
 
-def test_locks_are_reentrant_in_a_process_and_exclusive_across(cache: Path) -> None:
-    with locked([str(cache)]), locked([str(cache)]):
+def test_locks_are_taken_once_per_command_and_exclusive_across(cache: Path) -> None:
+    # A command takes its locks once (session.guarded) and hands them down: a second block on
+    # the same cache, even in this process, waits like any other run.
+    with locked([str(cache)]), pytest.raises(LockBusy), locked([str(cache)]):
+        pass
+    with locked([str(cache)]):  # released: free again
         pass
     holder = hold(cache, 60)
     try:

@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 from repair_helpers import MARKER, isolated_state, quarantine_of, tree_digest  # noqa: F401
 
+from cachedoctor.fix_kinds import QUARANTINE, REENCODE
 from cachedoctor.fixtures import clean, unsafe_pickle
 from cachedoctor.fixtures.clean import aitoolkit_metadata, kohya_arrays
 from cachedoctor.fixtures.images import write_png
@@ -24,7 +25,7 @@ from cachedoctor.formats import read_path
 from cachedoctor.images import load as load_image
 from cachedoctor.repair import build_plan, recover_caches, undo_run
 from cachedoctor.repair.encoders import EncoderError, ReferenceEncoder, resolve
-from cachedoctor.repair.plan import QUARANTINE, REENCODE, Reencode
+from cachedoctor.repair.plan import Reencode
 from cachedoctor.repair.reencode import EntryFormat, NoFormat, ReencodeTarget, format_of, neighbour_format
 
 from conftest import run_cli, scan_paths
