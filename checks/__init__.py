@@ -12,6 +12,8 @@ from cachedoctor.checks import (
     checksum_mismatch,
     clear_each_epoch_multi_process,
     empty_file,
+    encoded_by_another_vae,
+    flipped_latent,
     foreign_file,
     image_cache_overlap,
     interrupted_write,
@@ -25,13 +27,17 @@ from cachedoctor.checks import (
     mixed_latent_channels,
     non_finite_values,
     orphan_cache_entries,
+    paired_with_another_image,
     retained_batch_storage,
+    scaling_factor_differs,
     shared_cache_dir,
     stale_cache_entry,
+    stale_latent,
     tensors_on_accelerator,
     text_embed_mismatch,
     unreadable_archive,
     unsafe_pickle,
+    wrong_crop,
 )
 from cachedoctor.rule import Rule
 
@@ -64,6 +70,12 @@ RULES: dict[str, Rule] = {
         invalid_config,
         tensors_on_accelerator,
         mixed_devices,
+        encoded_by_another_vae,
+        scaling_factor_differs,
+        flipped_latent,
+        wrong_crop,
+        paired_with_another_image,
+        stale_latent,
     )
 }
 

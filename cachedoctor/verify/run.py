@@ -1,0 +1,176 @@
+"""The verify run: layouts -> datasets -> sampled entries -> encodes -> comparisons -> findings."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.layouts.base import Dataset, Layout
+from cachedoctor.layouts.entries import NO_CHANGES, EntrySpec, Geometry, NoSpec
+from cachedoctor.repair.errors import RepairError
+from cachedoctor.verify.compare import closeness, unrelated_level
+from cachedoctor.verify.diagnose import Checked, judge
+from cachedoctor.verify.encode import Fresh, Unreadable, cached_latent, pixels_of
+from cachedoctor.verify.sample import SampleSize, choose, latent_entries
+
+if TYPE_CHECKING:
+    import torch
+
+    from cachedoctor.repair.encoders import Encoder
+
+
+DEFAULT_SAMPLE = SampleSize(count=64)  # entries per dataset
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    sample: SampleSize = DEFAULT_SAMPLE
+    seed: int = 0
+    device: str = "cpu"
+    batch_size: int = 8
+
+
+@dataclass
+class DatasetResult:
+    id: str
+    trainer: str
+    cache_dir: str | None
+    entries: int = 0
+    checked: list[Checked] = field(default_factory=list)
+    note: str = ""  # why the dataset was not verified
+
+    @property
+    def compared(self) -> list[Checked]:
+        return [c for c in self.checked if c.close is not None]
+
+    def distribution(self) -> dict[str, dict[str, float]]:
+        """min, median, p95 and max of each metric over the compared entries."""
+        out = {}
+        for metric in ("error", "cosine", "distance"):
+            values = sorted(getattr(c.close, metric) for c in self.compared)
+            if values:
+                out[metric] = {"min": round(values[0], 5), "median": round(_quantile(values, 0.5), 5),
+                               "p95": round(_quantile(values, 0.95), 5), "max": round(values[-1], 5)}
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "trainer": self.trainer, "cache_dir": self.cache_dir,
+                "entries": self.entries, "sampled": len(self.checked),
+                "compared": len(self.compared), **({"note": self.note} if self.note else {}),
+                "distribution": self.distribution(), "results": [c.as_dict() for c in self.checked]}
+
+
+@dataclass
+class VerifyReport:
+    encoder: str
+    options: VerifyOptions
+    datasets: list[DatasetResult]
+    findings: list[Finding]
+    images: int  # images encoded, the alternatives tried included
+    seconds: float  # spent encoding
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds if self.seconds else 0.0
+
+    def exit_code(self, fail_on: str = "error") -> int:
+        if fail_on == "never":
+            return 0
+        threshold = Severity.parse(fail_on)
+        return int(any(f.severity >= threshold for f in self.findings))
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def run(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
+        progress: Callable[[str], None] = lambda line: None) -> VerifyReport:
+    """Verify a sample of every dataset's latents; reads caches and images, writes nothing."""
+    spent = [0.0, 0]
+
+    def counted(n: int) -> None:
+        spent[1] += n
+
+    fresh = Fresh(encoder, options.device, options.batch_size, counted)
+    fresh.prepare()
+    results, findings = [], []
+    for layout in layouts:
+        for dataset in layout.datasets:
+            if dataset.latent_cache_dir is None:
+                continue  # a text-embed dataset
+            result = _dataset(layout.trainer, dataset, fresh, options, spent, progress)
+            results.append(result)
+            findings.extend(_judge(result, fresh, spent))
+    findings.sort(key=lambda f: f.sort_key)
+    return VerifyReport(encoder.spec, options, results, findings, spent[1], spent[0])
+
+
+def _timed(spent: list, call: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    try:
+        return call()
+    finally:
+        spent[0] += time.perf_counter() - start
+
+
+def _dataset(trainer: str, dataset: Dataset, fresh: Fresh, options: VerifyOptions, spent: list,
+             progress: Callable[[str], None]) -> DatasetResult:
+    result = DatasetResult(dataset.id, trainer, dataset.latent_cache_dir)
+    entries = dataset.naming.entries(dataset, NO_CHANGES)
+    if entries is None:
+        result.note = ("its layout does not say which image each entry is of (a bare cache: give "
+                       "the trainer's config)")
+        return result
+    found = latent_entries(dataset.latent_cache_dir)
+    result.entries = len(found)
+    buckets: dict[tuple, list[tuple[Checked, torch.Tensor]]] = defaultdict(list)
+    for path in choose(found, options.sample, options.seed, dataset.id):
+        checked = Checked(dataset.id, path, factor=dataset.vae_factor)
+        result.checked.append(checked)
+        try:
+            checked.image = entries.source(path)
+            checked.spec = entries.spec(checked.image, path)
+            checked.cached = cached_latent(path, checked.spec.format)
+            image = pixels_of(checked.spec)
+        except (NoSpec, Unreadable, RepairError, OSError, ValueError) as exc:
+            checked.verdict, checked.note = "skipped", str(exc) or type(exc).__name__
+            continue
+        buckets[(tuple(image.shape), checked.spec.format)].append((checked, image))
+    done = 0
+    for (_, fmt), group in buckets.items():
+        latents = _timed(spent, lambda g=group, f=fmt: fresh.encode([img for _, img in g], f))
+        for (checked, _), latent in zip(group, latents, strict=True):
+            checked.fresh = latent
+        done += len(group)
+        progress(f"verify: {dataset.id}: {done}/{len(result.checked)} entries encoded")
+    by_shape: dict[tuple, list[Checked]] = defaultdict(list)
+    for checked in result.checked:
+        if checked.fresh is None or checked.cached is None:
+            continue
+        if checked.fresh.shape != checked.cached.shape:
+            checked.verdict = "skipped"
+            checked.note = (f"cached {list(checked.cached.shape)}, a fresh encode "
+                            f"{list(checked.fresh.shape)}: the scan's size rules (CD301, CD302) judge it")
+            continue
+        by_shape[tuple(checked.fresh.shape)].append(checked)
+    for group in by_shape.values():
+        level = unrelated_level([c.fresh for c in group])  # type: ignore[misc]
+        for checked in group:
+            checked.unrelated = level
+            checked.close = closeness(checked.cached, checked.fresh, level)  # type: ignore[arg-type]
+    return result
+
+
+def _judge(result: DatasetResult, fresh: Fresh, spent: list) -> list[Finding]:
+    def encode(specs: Sequence[EntrySpec], geometries: Sequence[Geometry | None], flip: bool) -> list:
+        images = [pixels_of(s, g, flip) for s, g in zip(specs, geometries, strict=True)]
+        return _timed(spent, lambda: fresh.encode(images, specs[0].format))
+
+    where = result.cache_dir or result.id
+    return list(judge(result.id, os.path.abspath(where), result.checked, encode))
