@@ -1,8 +1,8 @@
 """What went wrong with the entries that do not match: the CD6xx verdicts.
 
-A dataset is judged as a whole first: when most compared entries are as far from their fresh
-encode as unrelated latents are, the cache is of another VAE (CD601); when the mismatches are
-the fresh encode times a factor plus a shift, its scaling differs (CD602). The entries left are
+A dataset is judged as a whole first: when mismatches are the fresh encode times a factor plus
+a shift, its scaling differs (CD602); when most compared entries are as far from their fresh
+encode as unrelated latents are, the cache is of another VAE (CD601). The entries left are
 tried, cheapest first, against the fresh encodes of the other sampled images of their bucket
 (CD605), against their image mirrored (CD603) and against neighbouring crops (CD604); what
 none explains changed since it was cached (CD606).
@@ -69,6 +69,10 @@ def judge(dataset: str, where: str, checked: list[Checked], encode: Encode) -> I
     off = [c for c in compared if not c.close.matches]  # type: ignore[union-attr]
     if not off:
         return
+    # a scale fit that leaves nothing is the most specific answer: a cache scaled x0.18215
+    # is also far from the fresh encode
+    yield from _scaled(where, compared, off, ctx)
+    off = [c for c in off if c.verdict == "ok"]
     far = [c for c in off if c.close.distance >= UNRELATED]  # type: ignore[union-attr]
     if len(compared) >= 2 and len(far) * 2 > len(compared):
         for c in far:
@@ -79,8 +83,6 @@ def judge(dataset: str, where: str, checked: list[Checked], encode: Encode) -> I
             f"as unrelated latents are (median distance {median:.2f}): encoded by another VAE than "
             "the one given", ctx, entries=len(far), compared=len(compared), median_distance=round(median, 4))
         off = [c for c in off if c.verdict == "ok"]
-    yield from _scaled(where, compared, off, ctx)
-    off = [c for c in off if c.verdict == "ok"]
     for c in off:
         yield _single(c, compared, encode, ctx)
 

@@ -49,13 +49,15 @@ class DatasetResult:
         return [c for c in self.checked if c.close is not None]
 
     def distribution(self) -> dict[str, dict[str, float]]:
-        """min, median, p95 and max of each metric over the compared entries."""
+        """min, median, the bad tail (p95; p5 of cosine) and max of each metric over the compared
+        entries."""
         out = {}
         for metric in ("error", "cosine", "distance"):
             values = sorted(getattr(c.close, metric) for c in self.compared)
-            if values:
+            if values:  # the bad tail: the 5th percentile of cosine, the 95th of the others
+                tail = ("p5", 0.05) if metric == "cosine" else ("p95", 0.95)
                 out[metric] = {"min": round(values[0], 5), "median": round(_quantile(values, 0.5), 5),
-                               "p95": round(_quantile(values, 0.95), 5), "max": round(values[-1], 5)}
+                               tail[0]: round(_quantile(values, tail[1]), 5), "max": round(values[-1], 5)}
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -102,9 +104,11 @@ def run(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
     results, findings = [], []
     for layout in layouts:
         for dataset in layout.datasets:
-            if dataset.latent_cache_dir is None:
+            where = dataset.latent_cache_dir or (dataset.cache_dirs[0] if layout.trainer == "bare"
+                                                 and dataset.cache_dirs else None)
+            if where is None:
                 continue  # a text-embed dataset
-            result = _dataset(layout.trainer, dataset, fresh, options, spent, progress)
+            result = _dataset(layout.trainer, dataset, where, fresh, options, spent, progress)
             results.append(result)
             findings.extend(_judge(result, fresh, spent))
     findings.sort(key=lambda f: f.sort_key)
@@ -119,15 +123,15 @@ def _timed(spent: list, call: Callable[[], Any]) -> Any:
         spent[0] += time.perf_counter() - start
 
 
-def _dataset(trainer: str, dataset: Dataset, fresh: Fresh, options: VerifyOptions, spent: list,
-             progress: Callable[[str], None]) -> DatasetResult:
-    result = DatasetResult(dataset.id, trainer, dataset.latent_cache_dir)
+def _dataset(trainer: str, dataset: Dataset, where: str, fresh: Fresh, options: VerifyOptions,
+             spent: list, progress: Callable[[str], None]) -> DatasetResult:
+    result = DatasetResult(dataset.id, trainer, where)
     entries = dataset.naming.entries(dataset, NO_CHANGES)
     if entries is None:
         result.note = ("its layout does not say which image each entry is of (a bare cache: give "
                        "the trainer's config)")
         return result
-    found = latent_entries(dataset.latent_cache_dir)
+    found = latent_entries(where)
     result.entries = len(found)
     buckets: dict[tuple, list[tuple[Checked, torch.Tensor]]] = defaultdict(list)
     for path in choose(found, options.sample, options.seed, dataset.id):
