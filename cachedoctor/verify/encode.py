@@ -102,6 +102,18 @@ class Fresh:
         return out
 
     def _batch(self, images: Sequence[torch.Tensor], channels: int | None) -> list[torch.Tensor]:
+        try:
+            return self._run(images, channels)
+        except EncoderError:
+            raise
+        except Exception as exc:  # the user's callable, a CUDA out-of-memory: one line, not a traceback
+            from cachedoctor.checks.checker_error import describe
+
+            height, width = images[0].shape[-2:]
+            raise EncoderError(f"encoder {self.encoder.spec} failed on {len(images)} image(s) of "
+                               f"{width}x{height}: {describe(exc)}") from None
+
+    def _run(self, images: Sequence[torch.Tensor], channels: int | None) -> list[torch.Tensor]:
         import torch
 
         if not isinstance(self.encoder, DiffusersEncoder):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cachedoctor.findings import Finding, Severity
+from cachedoctor.images import ImageError
 from cachedoctor.layouts.base import Dataset, Layout
 from cachedoctor.layouts.entries import NO_CHANGES, EntrySpec, Geometry, NoSpec
 from cachedoctor.repair.errors import RepairError
@@ -142,7 +143,7 @@ def _dataset(trainer: str, dataset: Dataset, where: str, fresh: Fresh, options: 
             checked.spec = entries.spec(checked.image, path)
             checked.cached = cached_latent(path, checked.spec.format)
             image = pixels_of(checked.spec)
-        except (NoSpec, Unreadable, RepairError, OSError, ValueError) as exc:
+        except (NoSpec, Unreadable, RepairError, ImageError, OSError, ValueError) as exc:
             checked.verdict, checked.note = "skipped", str(exc) or type(exc).__name__
             continue
         buckets[(tuple(image.shape), checked.spec.format)].append((checked, image))

@@ -197,3 +197,30 @@ def test_a_kohya_image_dir_without_its_config_skips_each_entry_saying_why(tmp_pa
     [dataset] = report.datasets
     assert not report.findings and len(dataset.checked) == 9
     assert all(c.verdict == "skipped" and "resolution" in c.note for c in dataset.checked)
+
+
+def test_an_encoder_that_raises_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    result = invoke("verify", str(project.config), "--encoder", "verify_helpers:failing_encoder", "-q")
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert "failing_encoder failed" in result.stderr and "out of memory" in result.stderr
+
+
+def test_a_module_callable_encoder_is_used_and_its_scale_named(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    result = invoke("verify", str(project.config), "--encoder", "verify_helpers:halving_encoder",
+                    "--format", "json", "-q")
+    data = json.loads(result.stdout)
+    [finding] = data["findings"]
+    assert result.exit_code == 1 and finding["code"] == "CD602" and abs(finding["details"]["scale"] - 2) < 1e-3
+
+
+def test_an_unreadable_image_skips_its_entry_only(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    entry, image = sorted(pairs(project).items())[1]
+    image.write_bytes(image.read_bytes()[:40])  # a PNG cut short
+    report = verify(project)
+    [dataset] = report.datasets
+    [skipped] = [c for c in dataset.checked if c.verdict == "skipped"]
+    assert skipped.entry == str(entry) and image.name in skipped.note
+    assert len(dataset.compared) == 8 and not report.findings

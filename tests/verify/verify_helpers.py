@@ -95,3 +95,13 @@ def digest(root: Path) -> dict[str, tuple[bytes, int]]:
     """Every file's bytes and mtime under root."""
     return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def failing_encoder(image: torch.Tensor) -> torch.Tensor:
+    """An encoder of the user's that raises (--encoder verify_helpers:failing_encoder)."""
+    raise RuntimeError("CUDA out of memory (pretend)")
+
+
+def halving_encoder(image: torch.Tensor) -> torch.Tensor:
+    """The reference encoder's latent halved: a module:callable encoder of another scale."""
+    return TinyVAE(4, 0).encode(image[None], "float32")[0] / 2
