@@ -20,8 +20,6 @@ from cachedoctor.verify.encode import Fresh, Unreadable, cached_latent, pixels_o
 from cachedoctor.verify.sample import SampleSize, choose, latent_entries
 
 if TYPE_CHECKING:
-    import torch
-
     from cachedoctor.repair.encoders import Encoder
 
 
@@ -116,10 +114,10 @@ def run(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
     return VerifyReport(encoder.spec, options, results, findings, spent[1], spent[0])
 
 
-def _timed(spent: list, call: Callable[[], Any]) -> Any:
+def _timed(spent: list, call: Callable[..., Any], *args: Any) -> Any:
     start = time.perf_counter()
     try:
-        return call()
+        return call(*args)
     finally:
         spent[0] += time.perf_counter() - start
 
@@ -134,26 +132,42 @@ def _dataset(trainer: str, dataset: Dataset, where: str, fresh: Fresh, options: 
         return result
     found = latent_entries(where)
     result.entries = len(found)
-    buckets: dict[tuple, list[tuple[Checked, torch.Tensor]]] = defaultdict(list)
+    # grouped by the pixel size encoded, so that a batch is one bucket; pixels are read a batch
+    # at a time (10,000 sampled 1024px images would be 30 GB at once)
+    buckets: dict[tuple, list[Checked]] = defaultdict(list)
     for path in choose(found, options.sample, options.seed, dataset.id):
         checked = Checked(dataset.id, path, factor=dataset.vae_factor)
         result.checked.append(checked)
         try:
             checked.image = entries.source(path)
             checked.spec = entries.spec(checked.image, path)
-            checked.cached = cached_latent(path, checked.spec.format)
-            image = pixels_of(checked.spec)
-        except (NoSpec, Unreadable, RepairError, ImageError, OSError, ValueError) as exc:
-            checked.verdict, checked.note = "skipped", str(exc) or type(exc).__name__
+        except (NoSpec, RepairError, ImageError, OSError, ValueError) as exc:
+            _skip(checked, exc)
             continue
-        buckets[(tuple(image.shape), checked.spec.format)].append((checked, image))
+        geometry = checked.spec.geometry
+        size = geometry.crop[2:] if geometry is not None else checked.image  # as it is: one each
+        buckets[(size, checked.spec.format)].append(checked)
     done = 0
     for (_, fmt), group in buckets.items():
-        latents = _timed(spent, lambda g=group, f=fmt: fresh.encode([img for _, img in g], f))
-        for (checked, _), latent in zip(group, latents, strict=True):
-            checked.fresh = latent
-        done += len(group)
-        progress(f"verify: {dataset.id}: {done}/{len(result.checked)} entries encoded")
+        for start in range(0, len(group), options.batch_size):
+            ready, images = [], []
+            for checked in group[start:start + options.batch_size]:
+                try:
+                    checked.cached = cached_latent(checked.entry, fmt)
+                    images.append(pixels_of(checked.spec))  # type: ignore[arg-type]
+                    ready.append(checked)
+                except (Unreadable, RepairError, ImageError, OSError, ValueError) as exc:
+                    checked.cached = None
+                    _skip(checked, exc)
+            by_size: dict[tuple, list[int]] = defaultdict(list)  # images of one size per call
+            for i, image in enumerate(images):
+                by_size[tuple(image.shape)].append(i)
+            for indices in by_size.values():
+                latents = _timed(spent, fresh.encode, [images[i] for i in indices], fmt)
+                for i, latent in zip(indices, latents, strict=True):
+                    ready[i].fresh = latent
+            done += len(group[start:start + options.batch_size])
+            progress(f"verify: {dataset.id}: {done}/{len(result.checked)} entries encoded")
     by_shape: dict[tuple, list[Checked]] = defaultdict(list)
     for checked in result.checked:
         if checked.fresh is None or checked.cached is None:
@@ -169,13 +183,19 @@ def _dataset(trainer: str, dataset: Dataset, where: str, fresh: Fresh, options: 
         for checked in group:
             checked.unrelated = level
             checked.close = closeness(checked.cached, checked.fresh, level)  # type: ignore[arg-type]
+            if checked.close.matches:  # kept only as another image's candidate (CD605)
+                checked.cached, checked.fresh = None, checked.fresh.half()  # type: ignore[union-attr]
     return result
+
+
+def _skip(checked: Checked, exc: Exception) -> None:
+    checked.verdict, checked.note = "skipped", str(exc) or type(exc).__name__
 
 
 def _judge(result: DatasetResult, fresh: Fresh, spent: list) -> list[Finding]:
     def encode(specs: Sequence[EntrySpec], geometries: Sequence[Geometry | None], flip: bool) -> list:
         images = [pixels_of(s, g, flip) for s, g in zip(specs, geometries, strict=True)]
-        return _timed(spent, lambda: fresh.encode(images, specs[0].format))
+        return _timed(spent, fresh.encode, images, specs[0].format)
 
     where = result.cache_dir or result.id
     return list(judge(result.id, os.path.abspath(where), result.checked, encode))
