@@ -2,7 +2,8 @@
 
 A dataset is judged as a whole first: when mismatches are the fresh encode times a factor plus
 a shift, its scaling differs (CD602); when most compared entries are as far from their fresh
-encode as unrelated latents are, the cache is of another VAE (CD601). The entries left are
+encode as unrelated latents are, and the first few of them are no flip, crop or other image,
+the cache is of another VAE (CD601). The entries left are
 tried, cheapest first, against the fresh encodes of the other sampled images of their bucket
 (CD605), against their image mirrored (CD603) and against neighbouring crops (CD604); what
 none explains changed since it was cached (CD606).
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 FIT_RESIDUAL = 0.1  # a scale fit leaving at most this much of the spread explains the entry
+PROBES = 3  # far entries tried for a flip, crop or pairing before a cache is called another VAE
 CROP_STEPS = (1, 2)  # neighbouring crops: shifted by this many latent pixels each way
 
 
@@ -74,6 +76,15 @@ def judge(dataset: str, where: str, checked: list[Checked], encode: Encode) -> I
     yield from _scaled(where, compared, off, ctx)
     off = [c for c in off if c.verdict == "ok"]
     far = [c for c in off if c.close.distance >= UNRELATED]  # type: ignore[union-attr]
+    probed: list[Finding] = []
+    if len(compared) >= 2 and len(far) * 2 > len(compared):
+        # a cache written with every image mirrored, cropped or paired otherwise is far too:
+        # another VAE only when a few of them are explained by none of those
+        probed = [_single(c, compared, encode, ctx) for c in far[:PROBES]]
+        if any(c.verdict != stale_latent.RULE.code for c in far[:PROBES]):
+            yield from probed
+            off = [c for c in off if c.verdict == "ok"]
+            far = []
     if len(compared) >= 2 and len(far) * 2 > len(compared):
         for c in far:
             c.verdict = encoded_by_another_vae.RULE.code

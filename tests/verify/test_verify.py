@@ -224,3 +224,11 @@ def test_an_unreadable_image_skips_its_entry_only(tmp_path: Path) -> None:
     [skipped] = [c for c in dataset.checked if c.verdict == "skipped"]
     assert skipped.entry == str(entry) and image.name in skipped.note
     assert len(dataset.compared) == 8 and not report.findings
+
+
+def test_a_cache_of_mirrored_images_is_cd603_for_each_entry_not_another_vae(tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    for entry, image in pairs(project).items():
+        rewrite(entry, lambda _, image=image: encoded(image, flip=True))
+    report = verify(project)
+    assert sorted(codes_of(report)) == ["CD603"] and len(report.findings) == 9
