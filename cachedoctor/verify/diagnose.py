@@ -62,9 +62,11 @@ class Checked:
 
 
 Encode = Callable[[Sequence[EntrySpec], Sequence[Geometry | None], bool], list["torch.Tensor"]]
+Nearby = Callable[[Checked], list[Checked]]  # encoded images next to the entry's, not sampled
 
 
-def judge(dataset: str, where: str, checked: list[Checked], encode: Encode) -> Iterator[Finding]:
+def judge(dataset: str, where: str, checked: list[Checked], encode: Encode,
+          nearby: Nearby = lambda c: []) -> Iterator[Finding]:
     """The findings of one dataset's compared entries; sets each entry's verdict."""
     ctx = RuleContext(dataset=dataset)
     compared = [c for c in checked if c.close is not None]
@@ -80,7 +82,7 @@ def judge(dataset: str, where: str, checked: list[Checked], encode: Encode) -> I
     if len(compared) >= 2 and len(far) * 2 > len(compared):
         # a cache written with every image mirrored, cropped or paired otherwise is far too:
         # another VAE only when a few of them are explained by none of those
-        probed = [_single(c, compared, encode, ctx) for c in far[:PROBES]]
+        probed = [_single(c, compared, encode, ctx, nearby) for c in far[:PROBES]]
         if any(c.verdict != stale_latent.RULE.code for c in far[:PROBES]):
             yield from probed
             off = [c for c in off if c.verdict == "ok"]
@@ -95,7 +97,7 @@ def judge(dataset: str, where: str, checked: list[Checked], encode: Encode) -> I
             "the one given", ctx, entries=len(far), compared=len(compared), median_distance=round(median, 4))
         off = [c for c in off if c.verdict == "ok"]
     for c in off:
-        yield _single(c, compared, encode, ctx)
+        yield _single(c, compared, encode, ctx, nearby)
 
 
 def _scaled(where: str, compared: list[Checked], off: list[Checked], ctx: RuleContext) -> Iterator[Finding]:
@@ -118,12 +120,15 @@ def _scaled(where: str, compared: list[Checked], off: list[Checked], ctx: RuleCo
         entries=len(fits), compared=len(compared), scale=round(a, 6), shift=round(b, 6))
 
 
-def _single(c: Checked, compared: list[Checked], encode: Encode, ctx: RuleContext) -> Finding:
+def _single(c: Checked, compared: list[Checked], encode: Encode, ctx: RuleContext,
+            nearby: Nearby) -> Finding:
     assert c.close is not None and c.spec is not None and c.cached is not None
     name = os.path.basename(c.image or "")
     own = f"{c.close.distance:.2f}"
-    # another image of the bucket: its fresh encode is already at hand
-    others = [o for o in compared if o is not c and o.fresh is not None and o.fresh.shape == c.cached.shape]
+    # another image of the bucket: the sampled ones are encoded already; the images next to its
+    # own in name order are encoded for it (a renamed or an inserted image shifts the pairing)
+    others = [o for o in [*compared, *nearby(c)]
+              if o is not c and o.fresh is not None and o.fresh.shape == c.cached.shape]
     best = _best(c, [(o.fresh, o) for o in others])
     if best is not None:
         other, close = best

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.images import ImageError
 from cachedoctor.layouts.base import Dataset, Layout
-from cachedoctor.layouts.entries import NO_CHANGES, EntrySpec, Geometry, NoSpec
+from cachedoctor.layouts.entries import NO_CHANGES, Entries, EntrySpec, Geometry, NoSpec
 from cachedoctor.repair.errors import RepairError
 from cachedoctor.verify.compare import closeness, unrelated_level
 from cachedoctor.verify.diagnose import Checked, judge
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 
 DEFAULT_SAMPLE = SampleSize(count=64)  # entries per dataset
+NEARBY = 2  # images each side of a mismatched entry's own tried as its pair (CD605)
+# what any of the four trainers reads as an image
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".avif", ".jxl", ".tif", ".tiff")
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,9 @@ def run(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
                                                  and dataset.cache_dirs else None)
             if where is None:
                 continue  # a text-embed dataset
-            result = _dataset(layout.trainer, dataset, where, fresh, options, spent, progress)
+            result, entries = _dataset(layout.trainer, dataset, where, fresh, options, spent, progress)
             results.append(result)
-            findings.extend(_judge(result, fresh, spent))
+            findings.extend(_judge(result, entries, fresh, spent))
     findings.sort(key=lambda f: f.sort_key)
     return VerifyReport(encoder.spec, options, results, findings, spent[1], spent[0])
 
@@ -123,13 +126,13 @@ def _timed(spent: list, call: Callable[..., Any], *args: Any) -> Any:
 
 
 def _dataset(trainer: str, dataset: Dataset, where: str, fresh: Fresh, options: VerifyOptions,
-             spent: list, progress: Callable[[str], None]) -> DatasetResult:
+             spent: list, progress: Callable[[str], None]) -> tuple[DatasetResult, Entries | None]:
     result = DatasetResult(dataset.id, trainer, where)
     entries = dataset.naming.entries(dataset, NO_CHANGES)
     if entries is None:
         result.note = ("its layout does not say which image each entry is of (a bare cache: give "
                        "the trainer's config)")
-        return result
+        return result, None
     found = latent_entries(where)
     result.entries = len(found)
     # grouped by the pixel size encoded, so that a batch is one bucket; pixels are read a batch
@@ -185,17 +188,54 @@ def _dataset(trainer: str, dataset: Dataset, where: str, fresh: Fresh, options: 
             checked.close = closeness(checked.cached, checked.fresh, level)  # type: ignore[arg-type]
             if checked.close.matches:  # kept only as another image's candidate (CD605)
                 checked.cached, checked.fresh = None, checked.fresh.half()  # type: ignore[union-attr]
-    return result
+    return result, entries
 
 
 def _skip(checked: Checked, exc: Exception) -> None:
     checked.verdict, checked.note = "skipped", str(exc) or type(exc).__name__
 
 
-def _judge(result: DatasetResult, fresh: Fresh, spent: list) -> list[Finding]:
+def _judge(result: DatasetResult, entries: Entries | None, fresh: Fresh, spent: list) -> list[Finding]:
     def encode(specs: Sequence[EntrySpec], geometries: Sequence[Geometry | None], flip: bool) -> list:
         images = [pixels_of(s, g, flip) for s, g in zip(specs, geometries, strict=True)]
         return _timed(spent, fresh.encode, images, specs[0].format)
 
+    sampled = {c.image for c in result.checked}
+    known: dict[str, Checked | None] = {}
+
+    def nearby(c: Checked) -> list[Checked]:
+        """The images NEARBY places before and after c's in its folder, not sampled, encoded
+        with their own geometry where it gives c's pixel size."""
+        if entries is None or c.image is None or c.spec is None:
+            return []
+        folder, name = os.path.split(c.image)
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_EXTENSIONS))
+        except OSError:
+            return []
+        at = names.index(name) if name in names else -1
+        out = []
+        for i in range(max(0, at - NEARBY), at + NEARBY + 1) if at >= 0 else ():
+            path = os.path.join(folder, names[i]) if i < len(names) else None
+            if path is None or path in sampled:
+                continue
+            if path not in known:
+                known[path] = _candidate(c, path, entries, encode)
+            if known[path] is not None:
+                out.append(known[path])
+        return out
+
     where = result.cache_dir or result.id
-    return list(judge(result.id, os.path.abspath(where), result.checked, encode))
+    return list(judge(result.id, os.path.abspath(where), result.checked, encode, nearby))
+
+
+def _candidate(c: Checked, image: str, entries: Entries, encode: Callable[..., list]) -> Checked | None:
+    try:
+        spec = entries.spec(image)
+        geometry, own = spec.geometry, c.spec.geometry  # type: ignore[union-attr]
+        if (geometry.crop[2:] if geometry else None) != (own.crop[2:] if own else None):
+            return None  # another bucket
+        [latent] = encode([spec], [None], False)
+    except (NoSpec, RepairError, ImageError, OSError, ValueError):
+        return None
+    return Checked(c.dataset, spec.path, image, spec, fresh=latent)

@@ -232,3 +232,19 @@ def test_a_cache_of_mirrored_images_is_cd603_for_each_entry_not_another_vae(tmp_
         rewrite(entry, lambda _, image=image: encoded(image, flip=True))
     report = verify(project)
     assert sorted(codes_of(report)) == ["CD603"] and len(report.findings) == 9
+
+
+def test_a_swap_with_an_unsampled_neighbour_is_cd605(tmp_path: Path) -> None:
+    """Only one of the pair is in the sample: the images next to its own are tried."""
+    project = kohya.build(tmp_path / "kohya")
+    found = sorted(pairs(project).items(), key=lambda p: p[1].name)
+    (a, image_a), (b, image_b) = found[0], found[1]
+    latent_a, latent_b = encoded(image_a), encoded(image_b)
+    rewrite(a, lambda _: latent_b)
+    rewrite(b, lambda _: latent_a)
+    seed = next(s for s in range(100) if (picked := {c.entry for c in verify(
+        project, sample=SampleSize.parse("3"), seed=s).datasets[0].checked}) and str(a) in picked
+        and str(b) not in picked)
+    report = verify(project, sample=SampleSize.parse("3"), seed=seed)
+    assert codes_of(report) == {"CD605": [str(a)]}
+    assert report.findings[0].details["matches"] == str(image_b)
