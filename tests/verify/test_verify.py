@@ -104,11 +104,11 @@ def test_a_shifted_crop_is_cd604(tmp_path: Path) -> None:
     project = kohya.build(tmp_path / "kohya")
     folder = project.root / "train" / kohya.DATASET
     image = folder / "img_099.png"
-    write_png_pixels = pixels(288, 256, 99)
+    wide = pixels(288, 256, 99)
     from cachedoctor.fixtures.images import encode_png
 
-    image.write_bytes(encode_png(write_png_pixels))
-    left = torch.from_numpy(write_png_pixels[:, :256]).permute(2, 0, 1)
+    image.write_bytes(encode_png(wide))
+    left = torch.from_numpy(wide[:, :256]).permute(2, 0, 1)
     latent = ReferenceEncoder().encode(left, 4)
     entry = folder / kohya.npz_name(image, 288, 256)
     arrays = kohya_arrays(latent)
@@ -248,3 +248,24 @@ def test_a_swap_with_an_unsampled_neighbour_is_cd605(tmp_path: Path) -> None:
     report = verify(project, sample=SampleSize.parse("3"), seed=seed)
     assert codes_of(report) == {"CD605": [str(a)]}
     assert report.findings[0].details["matches"] == str(image_b)
+
+
+def test_a_simpletuner_latent_of_another_crop_is_cd604(tmp_path: Path) -> None:
+    """SimpleTuner's bucket metadata says: resize to 160x128, crop 128x128 at left 16; the cached
+    latent is of the crop at the left edge."""
+    from cachedoctor.fixtures.images import encode_png
+
+    project = BUILDERS["simpletuner"](tmp_path / "simpletuner")
+    entry, image = next((e, i) for e, i in sorted(pairs(project).items()) if i.name == "img_000.png")
+    wide = pixels(160, 128, 5)
+    image.write_bytes(encode_png(wide))
+    bucket_file = image.parent / "aspect_ratio_bucket_metadata_photos.json"
+    metadata = json.loads(bucket_file.read_text())
+    metadata[str(image)].update(original_size=[160, 128], intermediary_size=[160, 128],
+                                crop_coordinates=[0, 16], target_size=[128, 128])
+    bucket_file.write_text(json.dumps(metadata))
+    left = torch.from_numpy(wide[:, :128]).permute(2, 0, 1)
+    rewrite(entry, lambda _: ReferenceEncoder().encode(left, 4))
+    report = verify(project, sample=SampleSize.parse("all"))
+    assert codes_of(report) == {"CD604": [str(entry)]}
+    assert report.findings[0].details["crop"] == (0, 0)
