@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,28 @@ from cachedoctor.repair.encoders import resolve as resolve_encoder
 from cachedoctor.verify import VerifyOptions, run
 from cachedoctor.verify.sample import SampleSize
 
-diffusers = pytest.importorskip("diffusers")
+# imported when a test runs, not at collection: tests/repair/test_reencode.py puts a fake
+# diffusers on sys.path, which a module imported at collection would shadow
+# (and leaves it in sys.modules)
+REAL = importlib.util.find_spec("diffusers")
+pytestmark = pytest.mark.skipif(REAL is None, reason="needs diffusers")
+
+
+def autoencoder_kl() -> type:
+    """diffusers.AutoencoderKL, imported late (the real one, not a fake another test left)."""
+    loaded = sys.modules.get("diffusers")
+    if loaded is not None and getattr(loaded, "__file__", None) != REAL.origin:
+        for name in [n for n in sys.modules if n == "diffusers" or n.startswith("diffusers.")]:
+            del sys.modules[name]
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL
 
 
 def tiny_vae(directory: Path, seed: int, scaling_factor: float = 0.13025) -> Path:
     """A factor-8 AutoencoderKL (four blocks, three downsamplings) with random weights."""
     torch.manual_seed(seed)
-    vae = diffusers.AutoencoderKL(
+    vae = autoencoder_kl()(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
         latent_channels=4, norm_num_groups=4, sample_size=64, scaling_factor=scaling_factor)
@@ -32,7 +49,7 @@ def tiny_vae(directory: Path, seed: int, scaling_factor: float = 0.13025) -> Pat
 
 def mean_latent(vae_dir: Path, image: Path) -> torch.Tensor:
     """The posterior mean of the image, computed here as a trainer does it."""
-    vae = diffusers.AutoencoderKL.from_pretrained(vae_dir).eval()
+    vae = autoencoder_kl().from_pretrained(vae_dir).eval()
     x = load(str(image)).float()[None] / 127.5 - 1.0
     with torch.no_grad():
         return vae.encode(x).latent_dist.mean[0]
