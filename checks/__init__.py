@@ -19,6 +19,8 @@ from cachedoctor.checks import (
     clear_each_epoch_multi_process,
     duplicate_dtype_variants,
     empty_file,
+    encoded_by_another_vae,
+    flipped_latent,
     foreign_file,
     frame_count_mismatch,
     image_cache_overlap,
@@ -36,14 +38,18 @@ from cachedoctor.checks import (
     mixed_latent_channels,
     non_finite_values,
     orphan_cache_entries,
+    paired_with_another_image,
     retained_batch_storage,
+    scaling_factor_differs,
     shared_cache_dir,
     stale_cache_entry,
     stale_caption_embedding,
+    stale_latent,
     tensors_on_accelerator,
     text_embed_mismatch,
     unreadable_archive,
     unsafe_pickle,
+    wrong_crop,
     zeroed_values,
 )
 from cachedoctor.rule import Rule
@@ -84,6 +90,12 @@ RULES: dict[str, Rule] = {
         missing_text_entry,
         tensors_on_accelerator,
         mixed_devices,
+        encoded_by_another_vae,
+        scaling_factor_differs,
+        flipped_latent,
+        wrong_crop,
+        paired_with_another_image,
+        stale_latent,
     )
 }
 

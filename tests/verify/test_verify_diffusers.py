@@ -1,0 +1,109 @@
+"""verify with a real diffusers AutoencoderKL: tiny, random weights, saved with save_pretrained
+(factor 8), on the CPU; and the same on CUDA where there is a GPU. Skipped without diffusers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from verify_helpers import digest, pairs, rewrite
+
+from cachedoctor.fixtures.projects import kohya, simpletuner
+from cachedoctor.images import load
+from cachedoctor.layouts import resolve
+from cachedoctor.repair.encoders import resolve as resolve_encoder
+from cachedoctor.verify import VerifyOptions, run
+from cachedoctor.verify.sample import SampleSize
+
+# imported when a test runs, not at collection: tests/repair/test_reencode.py puts a fake
+# diffusers on sys.path, which a module imported at collection would shadow
+# (and leaves it in sys.modules)
+REAL = importlib.util.find_spec("diffusers")
+pytestmark = pytest.mark.skipif(REAL is None, reason="needs diffusers")
+
+
+def autoencoder_kl() -> type:
+    """diffusers.AutoencoderKL, imported late (the real one, not a fake another test left)."""
+    loaded = sys.modules.get("diffusers")
+    if loaded is not None and getattr(loaded, "__file__", None) != REAL.origin:
+        for name in [n for n in sys.modules if n == "diffusers" or n.startswith("diffusers.")]:
+            del sys.modules[name]
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL
+
+
+def tiny_vae(directory: Path, seed: int, scaling_factor: float = 0.13025) -> Path:
+    """A factor-8 AutoencoderKL (four blocks, three downsamplings) with random weights."""
+    torch.manual_seed(seed)
+    vae = autoencoder_kl()(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=64, scaling_factor=scaling_factor)
+    vae.save_pretrained(directory)
+    return directory
+
+
+def mean_latent(vae_dir: Path, image: Path) -> torch.Tensor:
+    """The posterior mean of the image, computed here as a trainer does it."""
+    vae = autoencoder_kl().from_pretrained(vae_dir).eval()
+    x = load(str(image)).float()[None] / 127.5 - 1.0
+    with torch.no_grad():
+        return vae.encode(x).latent_dist.mean[0]
+
+
+def cache_with(project, vae_dir: Path, scale: float = 1.0) -> None:
+    """Every entry written again as the latent of `vae_dir` (times `scale`)."""
+    for entry, image in pairs(project).items():
+        latent = mean_latent(vae_dir, image) * scale
+        rewrite(entry, lambda _, latent=latent: latent)
+
+
+def verify(project, vae_dir: Path, device: str = "cpu"):
+    return run(resolve([str(project.config)]), resolve_encoder(f"diffusers:{vae_dir}"),
+               VerifyOptions(sample=SampleSize.parse("all"), device=device))
+
+
+@pytest.fixture(scope="module")
+def vaes(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("vaes")
+    return tiny_vae(root / "vae", 0), tiny_vae(root / "other", 1)
+
+
+def test_a_cache_of_the_same_vae_verifies(vaes, tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    cache_with(project, vaes[0])
+    before = digest(project.root)
+    report = verify(project, vaes[0])
+    assert not report.findings and len(report.datasets[0].compared) == 9
+    assert report.datasets[0].distribution()["distance"]["max"] < 0.01
+    assert digest(project.root) == before
+
+
+def test_a_cache_of_another_vae_is_cd601(vaes, tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    cache_with(project, vaes[1])
+    assert [f.code for f in verify(project, vaes[0]).findings] == ["CD601"]
+
+
+def test_simpletuner_latents_stored_without_the_scaling_factor_are_cd602(vaes, tmp_path: Path) -> None:
+    """SimpleTuner stores latents scaled by the VAE's scaling_factor: unscaled ones are x1/0.13025."""
+    project = simpletuner.build(tmp_path / "simpletuner")
+    cache_with(project, vaes[0])
+    [finding] = verify(project, vaes[0]).findings
+    assert finding.code == "CD602" and abs(finding.details["scale"] - 1 / 0.13025) < 0.05
+    assert "x1/0.13025" in finding.message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_same_on_cuda(vaes, tmp_path: Path) -> None:
+    project = simpletuner.build(tmp_path / "simpletuner")
+    cache_with(project, vaes[0], scale=0.13025)
+    clean = verify(project, vaes[0], device="cuda")
+    assert not clean.findings and clean.options.device == "cuda"
+    assert clean.datasets[0].distribution()["distance"]["max"] < 0.05  # GPU kernels differ a little
+    cache_with(project, vaes[1], scale=0.13025)
+    assert [f.code for f in verify(project, vaes[0], device="cuda").findings] == ["CD601"]
