@@ -199,9 +199,10 @@ def read_directory(src: Source) -> ZipDirectory:
                 f"entry '{_shown(name)}' ({csize:,} bytes at offset {data_at:,}) runs past the "
                 f"start of the central directory at {cd_offset:,}"
             )
-        # (an encrypted stored entry holds its 12-byte encryption header besides the data)
-        stored_extra = CRYPT_HEADER if flags & ENCRYPTED else 0
-        if (method == STORED and csize != usize + stored_extra) or (
+        # (an encrypted stored entry holds its 12-byte encryption header besides the data; a
+        # flag that lies, over plain bytes, is read as the plain bytes it is)
+        sizes_differ = csize != usize and not (flags & ENCRYPTED and csize == usize + CRYPT_HEADER)
+        if (method == STORED and sizes_differ) or (
                 method == DEFLATED and usize > MAX_RATIO * csize + MAX_OVERFLOW):
             raise ZipError(
                 f"entry '{_shown(name)}' records {usize:,} bytes from {csize:,} "
