@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pty
 import re
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +85,8 @@ def _on_a_terminal(args: list[str], answer: bytes, until: bytes = b"[y/N]") -> t
         os.execv(sys.executable, [sys.executable, "-m", "cachedoctor", *args])
     out, answered, deadline = b"", False, time.monotonic() + 120
     while time.monotonic() < deadline:
+        if not select.select([fd], [], [], 1)[0]:
+            continue  # nothing yet: the deadline, not a blocking read, ends a child that hangs
         try:
             chunk = os.read(fd, 4096)
         except OSError:  # EIO: the child closed the pty
@@ -91,8 +95,13 @@ def _on_a_terminal(args: list[str], answer: bytes, until: bytes = b"[y/N]") -> t
             break
         out += chunk
         if not answered and until in out:
+            # typed once the child reads: a line editor that sets the terminal up at its read
+            # (readline's TCSAFLUSH) discards what was typed before it
+            time.sleep(0.5)
             os.write(fd, answer)
             answered = True
+    else:
+        os.kill(pid, signal.SIGKILL)  # hung at the prompt: fail with what it printed
     os.close(fd)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), out.decode(errors="replace").replace("\r\n", "\n")
