@@ -79,7 +79,9 @@ def test_embed_write_race_leaves_torn_files_that_scan_names_cd101(run) -> None:
     project = project_of(result)
     torn = [p for p in project.text_cache_dir.iterdir() if not _loads(p)]
     assert torn, "the teardown should leave half-written files"
-    assert result.details["scan"]["CD101"]["count"] == len(torn)
+    # a writer killed before its first byte leaves an empty file: CD102 (empty-file), not CD101
+    scan = result.details["scan"]
+    assert sum(scan.get(code, {}).get("count", 0) for code in ("CD101", "CD102")) == len(torn)
 
 
 def test_embed_write_race_fixed_writer_survives_the_same_load(run) -> None:
