@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cachedoctor import __version__
-from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, fail
+from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, confirm, fail
 from cachedoctor.cli_usage import run as run_app
 from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn
 from cachedoctor.harness.cli import harness_app
@@ -410,7 +410,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
                 typer.echo("Dry run: nothing changed.")
                 return 0
             try:
-                if not yes and not typer.confirm("Apply this plan?", default=False):
+                if not yes and not confirm("Apply this plan?"):
                     typer.echo("Nothing changed.")
                     return 0
             except typer.Abort:  # Ctrl-C or end of input at the prompt
@@ -612,8 +612,8 @@ def purge(
     total = sum(t.bytes for t in chosen)
     if not yes:
         try:
-            if not typer.confirm(f"Delete {human_bytes(total)} for good? Those runs can no longer "
-                                 "be undone", default=False):
+            if not confirm(f"Delete {human_bytes(total)} for good? Those runs can no longer "
+                           "be undone"):
                 typer.echo("Nothing changed.")
                 return
         except typer.Abort:

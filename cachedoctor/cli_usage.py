@@ -61,3 +61,29 @@ def run(app: typer.Typer) -> int:
         typer.echo("cachedoctor: aborted", err=True)
         return 1
     return code if isinstance(code, int) else 0
+
+
+def confirm(question: str) -> bool:
+    """`question [y/N]:` on the terminal; True for y/yes. Ctrl-C or end of input raise
+    typer.Abort. The answer is awaited in short selects, not one blocking read: a SIGINT that
+    the kernel hands to another thread of the process (an import's helper thread) does not
+    interrupt the main thread's read, and Python runs its handler only between reads."""
+    import select
+    import sys
+
+    import typer
+
+    typer.echo(f"{question} [y/N]: ", nl=False)
+    try:
+        try:
+            ready = sys.stdin.fileno() >= 0
+        except (OSError, ValueError, AttributeError):  # a test runner's stdin: read it plainly
+            ready = False
+        while ready and not select.select([sys.stdin], [], [], 0.2)[0]:
+            pass
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        raise typer.Abort() from None
+    if not line:
+        raise typer.Abort()
+    return line.strip().lower() in ("y", "yes")
