@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cachedoctor.formats.meta import PICKLE_FORMATS, TORCH_ZIP, FileMeta
-from cachedoctor.formats.source import WHOLE_FILE_LIMIT, WINDOW, FileSource, Window
+from cachedoctor.formats.source import WHOLE_FILE_LIMIT, WINDOW, FileSource, Window, windowed_pread
 
 INDEX_NAME = "metadata.db"
 INDEX_FORMAT = "diffusion-pipe-index"  # metadata.db, read as the offsets table it is
@@ -256,13 +256,7 @@ class BlobSource:
             self.windows = ((0, shard.pread(start, WINDOW)), (tail, shard.pread(start + tail, WINDOW)))
 
     def pread(self, offset: int, n: int) -> bytes:
-        if offset < 0 or n <= 0 or offset >= self.size:
-            return b""
-        end = min(offset + n, self.size)
-        for at, data in self.windows:
-            if at <= offset and end <= at + len(data):
-                return data[offset - at : end - at]
-        return self._shard.pread(self._start + offset, end - offset)
+        return windowed_pread(self, offset, n, lambda at, count: self._shard.pread(self._start + at, count))
 
 
 def encoder_slot(path: str) -> str | None:

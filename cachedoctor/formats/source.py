@@ -84,13 +84,19 @@ class FileSource:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def pread(self, offset: int, n: int) -> bytes:
-        if offset < 0 or n <= 0 or offset >= self.size:
-            return b""
-        end = min(offset + n, self.size)
-        for at, data in self.windows:
-            if at <= offset and end <= at + len(data):
-                return data[offset - at : end - at]
-        return self._read(offset, end - offset)
+        return windowed_pread(self, offset, n, self._read)
+
+
+def windowed_pread(src: Source, offset: int, n: int, read: Callable[[int, int], bytes]) -> bytes:
+    """Up to `n` bytes at `offset` of `src`: from a window it holds when one covers them, else
+    from `read(offset, count)`; nothing outside the source."""
+    if offset < 0 or n <= 0 or offset >= src.size:
+        return b""
+    end = min(offset + n, src.size)
+    for at, data in src.windows:
+        if at <= offset and end <= at + len(data):
+            return data[offset - at : end - at]
+    return read(offset, end - offset)
 
 
 Spans = tuple[tuple[int, int], ...]  # (offset, length) ranges of a file
