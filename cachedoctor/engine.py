@@ -33,7 +33,7 @@ from cachedoctor.formats.zip_templates import Templates
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
 from cachedoctor.inventory import LATENT, TEXT, Batch, Entry, batches
 from cachedoctor.layouts import Dataset, Layout, resolve
-from cachedoctor.layouts.base import FOLDERS
+from cachedoctor.layouts.base import ANY_DEVICE, FOLDERS
 from cachedoctor.options import ScanOptions
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import (
@@ -148,6 +148,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
     naming = (dataset.naming if dataset else FOLDERS).directory(batch.directory, batch.bucket,
                                                                 batch.area)
+    if dataset is not None and naming.expected_device not in (None, dataset.expected_device):
+        dataset = dataclasses.replace(dataset, expected_device=naming.expected_device)
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
     beside: bool | None = None  # whether images belong in this cache folder: asked once
@@ -215,7 +217,11 @@ def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
             facts = naming.cache(entry.path[cut:], meta)
             if facts.key is not None:
                 row = CoverageRow(key, CACHE_SIDE, facts.key, entry.path, meta.mtime, 0, facts.naming)
-    return row, summarize(entry, meta, facts, verdict.content if verdict else None, naming.group)
+    summary = summarize(entry, meta, facts, verdict.content if verdict else None, naming.group)
+    if summary is not None and naming.expected_device == ANY_DEVICE and summary.locations:
+        # a loader that maps every tensor to its device makes where one was saved irrelevant
+        summary = summary._replace(locations=())
+    return row, summary
 
 
 def _encode(dataset: str | None, summaries: list[FileSummary],

@@ -16,7 +16,9 @@ mgds: its `train_device`; a OneTrainer cache scanned without its config, known b
 `aggregate.pt` files): every tensor then lands on that one device, whatever it was saved from.
 kohya's npz, ai-toolkit's safetensors and 🤗 datasets' Arrow files record no device at all. A
 cache no trainer config describes (its loader unknown) is judged as a plain `torch.load` would
-load it.
+load it, each folder of cache files on its own (a folder of several projects holds caches that
+different trainers load), and a OneTrainer cache in it (`<sha256>/variation-<n>` folders) as mgds
+loads it.
 
 ## Example
 ```
@@ -65,24 +67,27 @@ def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     if _mapped(ctx):
         return
-    counts: Counter[str] = Counter()
+    # per group: the caches side by side in a bare tree are loaded by different trainers
+    counts: dict[str | None, Counter[str]] = {}
     for g, n in view.tally().items():
         if len(g.locations) == 1:  # a file mixed within itself is reported by check_file
-            counts[g.locations[0]] += n
-    if len(counts) < 2:
+            counts.setdefault(g.group, Counter())[g.locations[0]] += n
+    mixed = {group for group, by_location in counts.items() if len(by_location) >= 2}
+    if not mixed:
         return
-    off_cpu = []  # what the fix rewrites
-    folders = set()
+    off_cpu: dict[str | None, list[str]] = {group: [] for group in mixed}  # what the fix rewrites
+    folders: dict[str | None, set[str]] = {group: set() for group in mixed}
     for s in view:
-        if len(s.locations) != 1:
+        if len(s.locations) != 1 or s.group not in mixed:
             continue
-        folders.add(os.path.dirname(s.path))
-        if s.locations[0] != "cpu" and len(off_cpu) < MAX_LISTED:
-            off_cpu.append(s.path)
-    common = os.path.commonpath(sorted(folders))
-    text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts.most_common())
-    yield RULE.finding(common, f"files saved from different devices: {text}", ctx,
-                       locations=dict(counts), files=off_cpu)
+        folders[s.group].add(os.path.dirname(s.path))
+        if s.locations[0] != "cpu" and len(off_cpu[s.group]) < MAX_LISTED:
+            off_cpu[s.group].append(s.path)
+    for group in sorted(mixed, key=lambda g: g or ""):
+        common = os.path.commonpath(sorted(folders[group]))
+        text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts[group].most_common())
+        yield RULE.finding(common, f"files saved from different devices: {text}", ctx,
+                           locations=dict(counts[group]), files=off_cpu[group])
 
 
 RULE = Rule(

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
+from cachedoctor.inventory import LATENT, TEXT, classify
 from cachedoctor.layouts import aitoolkit, kohya, musubi, onetrainer
 from cachedoctor.layouts.base import ANY_DEVICE, NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
 from cachedoctor.layouts.common import listdir, names, subdirs
@@ -158,6 +159,34 @@ def _beside_images(path: str, _mtime_ns: int) -> bool:
     return _kohya_image_dir(path) or os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
 
 
+def _project_images(path: str, root: str) -> bool:
+    """Whether `path`, below the bare tree scanned at `root`, is a project's image folder: no
+    cache file in it nor in a folder above it up to `root` (a scan of a folder of projects;
+    images nested in a cache are still strays)."""
+    if not root or not path.startswith(root + os.sep):
+        return False
+    folder = path
+    while len(folder) >= len(root):
+        try:
+            if _holds_cache_files(folder, os.stat(folder).st_mtime_ns):
+                return False
+        except OSError:
+            return False
+        folder = os.path.dirname(folder)
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _holds_cache_files(path: str, _mtime_ns: int) -> bool:
+    """Whether `path` (as it is at that mtime) holds a cache file; stops at the first (a cache
+    folder's first names answer), where names() keeps no `.pt` of a million-file listing."""
+    try:
+        with os.scandir(path) as listing:
+            return any(classify(entry.name) in (LATENT, TEXT) for entry in listing)
+    except OSError:
+        return False
+
+
 class _Directory(DirectoryNaming):
     def __init__(self, naming: BareNaming, path: str, bucket: str | None) -> None:
         super().__init__(bucket)
@@ -165,11 +194,14 @@ class _Directory(DirectoryNaming):
         base = os.path.basename(path)
         self.kind = None
         self.folder = CacheFacts(bucket=bucket)  # made once: most files get exactly this
+        self.root = naming.root
         self.group = dataset_folder(path, naming.root)
         if base == aitoolkit.LATENT_DIR:
             self.kind = "ai-toolkit"
         elif onetrainer.VARIATION.match(base):
             self.kind = "onetrainer"
+            if _group(os.path.basename(os.path.dirname(path))):  # mgds' `<sha256>/variation-<n>`
+                self.expected_device = ANY_DEVICE  # mgds loads with map_location=train_device
             self.onetrainer = onetrainer.OneTrainerNaming(naming.aggregates).directory(
                 path, bucket, "cache")
 
@@ -178,7 +210,7 @@ class _Directory(DirectoryNaming):
             mtime = os.stat(self.path).st_mtime_ns
         except OSError:
             return False
-        return _beside_images(self.path, mtime)
+        return _beside_images(self.path, mtime) or _project_images(self.path, self.root)
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if self.kind == "ai-toolkit" and name.endswith(".safetensors"):

@@ -123,9 +123,14 @@ class DirectoryNaming:
     `group`: where a layout holds several datasets of its own (a bare tree: one per folder of
     cache files), the folder of the dataset this directory's files belong to; the dataset rules
     compare only files of one group. None: the layout's dataset is one group.
+
+    `expected_device`: where this directory's trainer loads its tensors, when the folder itself
+    shows a trainer the dataset does not (a OneTrainer cache deep in a bare tree: mgds maps every
+    tensor to its train device, ANY_DEVICE). None: the dataset's expected_device stands.
     """
 
     group: str | None = None
+    expected_device: str | None = None
 
     def __init__(self, bucket: str | None = None) -> None:
         self.bucket = bucket

@@ -166,11 +166,15 @@ def test_kohya_caches_beside_images_are_by_design(tmp_path: Path) -> None:
     assert bare.findings == ()
     # the train_data_dir given alone: its <repeats>_<name> sub-folders are kohya image dirs
     assert scan_paths(project.root / "train").findings == ()
-    # sub-folders of images without kohya's caches are still no place for images in a cache
+    # sub-folders of images without kohya's caches, in a cache, are still strays
     other = tmp_path / "other" / "10_person"
     other.mkdir(parents=True)
     shutil.copyfile(project.root / "train" / "10_person" / "img_000.png", other / "img_000.png")
+    save_latent(other.parent / "0000.pt", latent_batch(1)[0])
     assert codes(scan_paths(other.parent)) == {"CD107"}
+    # but a folder of images beside the caches in a folder of projects is an image folder
+    (other.parent / "0000.pt").unlink()
+    assert codes(scan_paths(other.parent)) == set()
 
 
 @pytest.mark.parametrize("defects", [(), ("CD301",), ("CD302",)])

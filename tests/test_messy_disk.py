@@ -1,0 +1,58 @@
+"""A folder of several projects, scanned bare: each cache is judged as if scanned alone.
+
+Users point the scan at whatever folder holds their training work: a OneTrainer project, a
+SimpleTuner project and stray caches side by side. Nothing there may judge its neighbours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachedoctor.fixtures import corpus, device_tagged
+from conftest import by_code, codes, scan_paths
+
+
+@pytest.fixture(scope="module")
+def projects(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("work")
+    corpus.build("onetrainer", root / "onetrainer-project")  # mgds saves on cuda:0
+    corpus.build("simpletuner", root / "simpletuner-project")
+    return root
+
+
+def test_a_folder_of_projects_scans_clean(projects: Path) -> None:
+    # each project alone is clean, and so is the folder that holds them both
+    assert codes(scan_paths(projects / "onetrainer-project")) == set()
+    assert codes(scan_paths(projects / "simpletuner-project")) == set()
+    assert scan_paths(projects).findings == ()
+
+
+def test_a_onetrainer_cache_deep_in_a_bare_tree_keeps_its_loader(projects: Path) -> None:
+    # the cache's parent: no aggregate.pt at a depth the bare layout looks, yet each
+    # `<sha256>/variation-<n>` folder shows mgds, which loads with map_location
+    assert scan_paths(projects / "onetrainer-project" / "workspace-cache").findings == ()
+
+
+def test_devices_are_compared_within_one_folder_of_a_bare_tree(tmp_path: Path) -> None:
+    for i in range(3):
+        device_tagged.build(tmp_path / "gpu-cache", "cuda:0", seed=i, name=f"{i:04d}")
+        device_tagged.build(tmp_path / "cpu-cache", "cpu", seed=i, name=f"{i:04d}")
+    report = scan_paths(tmp_path)
+    # the GPU folder's files load onto the GPU (CD501), but no folder mixes devices
+    assert codes(report) == {"CD501"}
+    assert len(by_code(report, "CD501")) == 3
+    device_tagged.build(tmp_path / "cpu-cache", "cuda:1", seed=9, name="0009")
+    mixed = by_code(scan_paths(tmp_path), "CD502")
+    assert [(f.path, f.details["locations"]) for f in mixed] == [
+        (str(tmp_path / "cpu-cache"), {"cpu": 3, "cuda:1": 1})]
+
+
+def test_images_nested_in_a_bare_cache_are_still_strays(tmp_path: Path) -> None:
+    device_tagged.build(tmp_path / "cache", "cpu")
+    photos = tmp_path / "cache" / "photos"
+    photos.mkdir()
+    (photos / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
+    assert [f.path for f in by_code(scan_paths(tmp_path / "cache"), "CD107")] == [
+        str(photos / "a.png")]
