@@ -19,6 +19,7 @@ from cachedoctor.harness.cli import harness_app
 from cachedoctor.reporters import FORMATS
 
 if TYPE_CHECKING:
+    from cachedoctor.layouts import Layout
     from cachedoctor.options import ScanOptions
     from cachedoctor.repair.plan import Reencode
     from cachedoctor.repair.session import Guard
@@ -373,14 +374,18 @@ def fix(
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
     reencoding = Reencode.of(chosen, layouts) if chosen is not None else None
-    raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose, include_info))
+    raise typer.Exit(_fix(targets, layouts, roots, options, reencoding, dry_run, yes, wait, verbose,
+                          include_info))
 
 
 CANCELLED = "cancelled: nothing changed"
 
 
-def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reencode: Reencode | None,
-         dry_run: bool, yes: bool, wait: float, verbose: bool, include_info: bool = False) -> int:
+def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], options: ScanOptions,
+         reencode: Reencode | None, dry_run: bool, yes: bool, wait: float, verbose: bool,
+         include_info: bool = False) -> int:
+    """Scan the `layouts` resolved once for `targets` (their cache `roots` are what is locked),
+    then plan, show and apply."""
     import contextlib
 
     from cachedoctor.engine import scan as run_scan
@@ -400,7 +405,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
                     typer.echo(note)
             else:
                 _pending_notes(roots)
-            report = run_scan(targets, options)
+            report = run_scan(targets, options, layouts=layouts)
             plan = build_plan(report, roots, reencode, include_info=include_info)
             render_plan(plan, sys.stdout, verbose=verbose)
             if not plan.actions:
