@@ -137,6 +137,17 @@ class BaselineResult:
     fixed: int  # baseline entries no longer found (fixed, or their evidence changed)
 
 
+def named(path: str | None) -> Baseline | None:
+    """The baseline a policy names, loaded (BaselineError when it cannot be); None when the
+    policy names none. Loaded before the scan, so that a bad baseline fails at once."""
+    return Baseline.load(path) if path else None
+
+
+def apply_to(report: Report, baseline: Baseline | None) -> BaselineResult:
+    """`report` less the findings `baseline` records; without a baseline every finding is new."""
+    return baseline.apply(report) if baseline is not None else BaselineResult(report, 0, 0)
+
+
 def write(report: Report, path: str) -> int:
     """Record every finding of `report` in a baseline file at `path`; returns how many."""
     base = os.path.dirname(os.path.abspath(path))

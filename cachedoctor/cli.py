@@ -87,12 +87,9 @@ def scan(
     from cachedoctor.reporters import reporter
 
     _check_jobs(jobs)
-    import dataclasses
-
     from cachedoctor import baseline as baselines
     from cachedoctor import config as configuration
-    from cachedoctor.api import resolve_policy
-    from cachedoctor.engine import scan as run_scan
+    from cachedoctor.api import resolve_policy, scan_policy
     from cachedoctor.layouts import TargetError
 
     try:
@@ -101,27 +98,25 @@ def scan(
             select=select, extend_select=extend_select, ignore=ignore, exclude=exclude, deep=deep,
             fail_on=fail_on, baseline=baseline, jobs=jobs, config=config_file, isolated=isolated,
             overrides=overrides, source="command line")
-        known = None
-        if policy.baseline and write_baseline is None:
-            known = baselines.Baseline.load(policy.baseline)
-    except (configuration.ConfigError, baselines.BaselineError) as exc:
+    except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
     chosen = reporter(fmt)
-    options = dataclasses.replace(policy.options, keep_paths=getattr(chosen, "NEEDS_PATHS", False))
     progress = _Progress() if (fmt == "text" or output) and sys.stderr.isatty() else None
     try:
-        report = run_scan(
+        # the API's path: the policy's baseline is loaded before the scan and applied after it
+        report, result = scan_policy(
             targets,
-            options,
+            policy,
+            use_baseline=write_baseline is None,
+            keep_paths=getattr(chosen, "NEEDS_PATHS", False),
             on_start=progress.start if progress else None,
             on_progress=progress.advance if progress else None,
         )
-    except TargetError as exc:
+    except (TargetError, baselines.BaselineError) as exc:
         raise fail(str(exc)) from None
     finally:
         if progress:
             progress.stop()
-    report = dataclasses.replace(report, policy=policy.applied)
     _policy_lines(policy.applied, detail=fmt == "text")
     if write_baseline is not None:
         try:
@@ -129,8 +124,7 @@ def scan(
         except OSError as exc:
             raise fail(f"cannot write baseline {write_baseline}: {exc.strerror or exc}") from None
         typer.echo(f"cachedoctor: recorded {count:,} findings in {write_baseline}", err=True)
-    elif known is not None:
-        result = known.apply(report)
+    elif policy.baseline:
         if result.known or result.fixed:
             typer.echo(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
                        f"not shown, {result.fixed:,} of its entries no longer found", err=True)
