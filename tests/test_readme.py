@@ -124,32 +124,3 @@ def test_readme_json_examples_are_real_runs(tmp_path, monkeypatch) -> None:
 
     config_finding = _readme_json("where the config can be fixed, `change`")
     assert config_finding in run("demo/simpletuner")["findings"]
-
-
-def _prose(source: str) -> list[tuple[int, str]]:
-    """(line, text) of every comment and docstring of a Python module."""
-    import ast
-    import io
-    import tokenize
-
-    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-           if tok.type == tokenize.COMMENT]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=False)
-            if doc is not None:
-                out.append((node.body[0].lineno, doc))
-    return out
-
-
-def test_code_names_only_markdown_pages_the_repository_holds() -> None:
-    """A comment or docstring that cites a Markdown page cites one a reader of the repository
-    can open: notes kept elsewhere are out of their reach."""
-    files = _tracked_text_files()
-    pages = {path.name for path in files if path.suffix == ".md"}
-    offenders = [f"{path.relative_to(REPO)}:{line}: {name}"
-                 for path in files if path.suffix == ".py" and path.is_file()
-                 for line, text in _prose(path.read_text())
-                 for name in re.findall(r"[\w.-]+\.md\b", text)
-                 if name.rsplit("/", 1)[-1] not in pages and not re.fullmatch(r"CD\d{3}\.md", name)]
-    assert offenders == []
