@@ -298,7 +298,7 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
                             tuple(p for layer in layers[:-1] for p in layer.exclude))
     options = ScanOptions(
         deep=bool(merged.deep),
-        rules=frozenset(enabled),
+        selected=frozenset(enabled),
         exclude=merged.exclude,
         severity=merged.severity,
         settings=merged.rules,

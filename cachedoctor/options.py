@@ -22,14 +22,14 @@ def default_jobs() -> int:
 class ScanOptions:
     """How a scan runs: rules enabled, --deep, jobs, exclusions, severity and settings.
 
-    `rules` is the selection already resolved (resolve_selection, which config.policy runs
+    `selected` is the selection already resolved (resolve_selection, which config.policy runs
     over every layer of select, extend-select and ignore): the codes of the enabled rules.
     None enables every rule.
     """
 
     deep: bool = False
     jobs: int = field(default_factory=default_jobs)
-    rules: frozenset[str] | None = None
+    selected: frozenset[str] | None = None
     exclude: tuple[str, ...] = ()  # glob patterns of paths to skip
     severity: Mapping[str, Severity] = field(default_factory=lambda: MappingProxyType({}))
     settings: Mapping[str, Mapping[str, Any]] = field(
@@ -41,14 +41,14 @@ class ScanOptions:
     def __reduce__(self):
         return (
             ScanOptions,
-            (self.deep, self.jobs, self.rules, self.exclude,
+            (self.deep, self.jobs, self.selected, self.exclude,
              dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard,
              self.keep_paths),
         )
 
     def enabled(self, code: str) -> bool:
         """Whether the rule `code` runs (and its findings are reported)."""
-        return self.rules is None or code in self.rules
+        return self.selected is None or code in self.selected
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def resolve_selection(layers: Iterable[Selection], codes: Iterable[str]) -> list
     A layer's `select` starts afresh. Its `extend-select` and `ignore` change what the layers
     below chose. Within a layer the most specific prefix wins, and ignore wins a tie. This is
     the one place a selection is resolved: flags, config files and API keywords all become
-    layers (config.policy), and a scan gets the result as ScanOptions.rules.
+    layers (config.policy), and a scan gets the result as ScanOptions.selected.
     """
     codes = list(codes)
     enabled = set(codes)  # no layer: every rule

@@ -29,7 +29,7 @@ def scan_paths(*targets: os.PathLike | str, select: tuple[str, ...] | None = Non
         from cachedoctor.options import Selection, resolve_selection
 
         layer = Selection(tuple(select) if select else None, tuple(extend_select), tuple(ignore))
-        options["rules"] = frozenset(resolve_selection([layer], RULES))
+        options["selected"] = frozenset(resolve_selection([layer], RULES))
     return scan([str(t) for t in targets], ScanOptions(**options))
 
 

@@ -1,6 +1,6 @@
 """One selection mechanism: --select/--extend-select/--ignore, the config file's keys, `--config`
 overrides and the API's keywords are resolved once (options.resolve_selection, run by
-config.policy) into the set of enabled rules, ScanOptions.rules, which scan, fix and preflight
+config.policy) into the set of enabled rules, ScanOptions.selected, which scan, fix and preflight
 all obey."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def scans(monkeypatch: pytest.MonkeyPatch) -> list[frozenset[str] | None]:
     real = engine.scan
 
     def recorded(targets, options=None, **kwargs):
-        seen.append(options.rules if options is not None else None)
+        seen.append(options.selected if options is not None else None)
         return real(targets, options, **kwargs)
 
     monkeypatch.setattr(engine, "scan", recorded)
@@ -103,9 +103,9 @@ def test_what_the_one_resolver_decides_is_what_every_path_runs(
 
 
 def test_the_enabled_rules_cross_into_worker_processes() -> None:
-    options = ScanOptions(jobs=2, rules=CHOSEN)
+    options = ScanOptions(jobs=2, selected=CHOSEN)
     again = pickle.loads(pickle.dumps(options))
-    assert again.rules == CHOSEN
+    assert again.selected == CHOSEN
     assert [c for c in RULES if again.enabled(c)] == [c for c in RULES if c in CHOSEN]
     assert all(ScanOptions().enabled(c) for c in RULES)  # no selection: every rule
-    assert not any(ScanOptions(rules=frozenset()).enabled(c) for c in RULES)
+    assert not any(ScanOptions(selected=frozenset()).enabled(c) for c in RULES)
