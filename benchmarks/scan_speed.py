@@ -9,10 +9,10 @@ page cache, then times with 1 process and with every core, best of 5, interleave
   - and the same torch.load loop as a script in a fresh process (`import torch` and all), timed
     like the scan, from outside: the like-for-like comparison with start-up included.
 Targets (issue #2): scan >= 6x the torch.load loop at the same core count, and within 3x of
-the read-tail loop. The loops run in this process with torch imported, so they are judged per
-file (the scan's start-up, measured as a scan of an empty dir, left out on both sides), and
-also against the fresh-process script (start-up in on both sides), and as measured (the scan's
-start-up in, the loops' out). Also reports the scan's peak RSS for one folder, for all N files
+the read-tail loop. The loops run in this process with torch imported, so they are judged
+three ways. Per file: the scan's start-up, measured as a scan of an empty dir, is left out on
+both sides. Against the fresh-process script: start-up is in on both sides. As measured: the
+scan's start-up is in, the loops' is out. Also reports the scan's peak RSS for one folder, for all N files
 in folders of 1,000, and for all N in one flat folder (hard links): memory must not grow with
 the number of clean files.
 

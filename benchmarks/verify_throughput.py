@@ -6,10 +6,10 @@
 The VAE is an AutoencoderKL with SDXL's VAE architecture (block_out_channels 128/256/512/512,
 two layers per block, factor 8) and random weights: encoding costs what the real one costs,
 and nothing is downloaded. It measures what verify spends its time on, the batched encode of
-one bucket (cachedoctor.verify.encode.Fresh), and the pixels the trainer encodes (PNG decode,
-resize, crop: repair/reencode.pixels) separately, and counts the encoder's FLOPs per image
-(torch.utils.flop_counter), so that a measurement on one machine can be carried to another:
-images/s there ≈ that machine's sustained FLOP/s ÷ FLOPs per image.
+one bucket (cachedoctor.verify.encode.Fresh), and apart from it the pixels the trainer
+encodes (PNG decode, resize, crop: repair/reencode.pixels). It counts the encoder's FLOPs per
+image (torch.utils.flop_counter), so that a measurement on one machine can be carried to
+another: images/s there ≈ that machine's sustained FLOP/s ÷ FLOPs per image.
 
 A verified entry costs one encode; an entry that does not match up to 13 more (mirrored, and
 12 neighbouring crops where the resized image leaves room). Needs diffusers (pip install 'cachedoctor[diffusers]').

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from cachedoctor import config as configuration
 from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn, Report
 from cachedoctor.options import default_jobs
+
+if TYPE_CHECKING:
+    from cachedoctor.baseline import BaselineResult
 
 Targets = str | os.PathLike | Iterable[str | os.PathLike]
 
@@ -96,12 +99,28 @@ def scan(targets: Targets, **options: Any) -> Report:
 
 
 def _scan(targets: tuple[str, ...], policy: configuration.Policy) -> Report:
-    from cachedoctor import engine
-    from cachedoctor.baseline import Baseline
+    return scan_policy(targets, policy)[1].report
 
-    baseline = Baseline.load(policy.baseline) if policy.baseline else None
-    report = dataclasses.replace(engine.scan(targets, policy.options), policy=policy.applied)
-    return baseline.apply(report).report if baseline else report
+
+def scan_policy(targets: Iterable[str], policy: configuration.Policy, *, use_baseline: bool = True,
+                keep_paths: bool = False, on_start: Callable[[int | None], None] | None = None,
+                on_progress: Callable[[int], None] | None = None) -> tuple[Report, BaselineResult]:
+    """Scan under a resolved `policy`: the report of every finding (stamped with the policy),
+    and that report with the policy's baseline applied. This is the one baseline path:
+    `cachedoctor scan`, `scan()` and `preflight()` all take it.
+
+    `use_baseline=False` leaves the baseline out (--write-baseline records every finding);
+    `keep_paths` lists every file checked; `on_start` and `on_progress` are engine.scan's.
+    Raises BaselineError (before scanning) and TargetError.
+    """
+    from cachedoctor import engine
+    from cachedoctor.baseline import apply_to, named
+
+    known = named(policy.baseline) if use_baseline else None
+    options = dataclasses.replace(policy.options, keep_paths=True) if keep_paths else policy.options
+    report = dataclasses.replace(engine.scan(targets, options, on_start=on_start,
+                                             on_progress=on_progress), policy=policy.applied)
+    return report, apply_to(report, known)
 
 
 def preflight(targets: Targets, fail_on: FailOn | str | None = None, *, group: Any = None,
@@ -155,7 +174,7 @@ def _portable(exc: Exception) -> Exception:
 def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: FailOn | str | None,
              options: dict[str, Any]) -> tuple[Report, configuration.Policy]:
     from cachedoctor import engine
-    from cachedoctor.baseline import Baseline
+    from cachedoctor.baseline import apply_to, named
     from cachedoctor.summary import SummaryStore
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -164,7 +183,7 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: FailOn | 
     try:
         options.setdefault("jobs", _jobs_per_rank())
         policy = resolve_policy(fail_on=fail_on, **options)
-        baseline = Baseline.load(policy.baseline) if policy.baseline else None
+        baseline = named(policy.baseline)
         # engine.scan's steps, with the file phase of this rank's share only
         scope = engine.begin(targets, dataclasses.replace(policy.options, shard=(rank, world)))
         phase = engine.read_files(scope)
@@ -191,4 +210,4 @@ def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: FailOn | 
         merged.files += rank_files
         merged.bytes += rank_bytes
     report = dataclasses.replace(engine.finish(scope, merged), policy=policy.applied)
-    return (baseline.apply(report).report if baseline else report), policy
+    return apply_to(report, baseline).report, policy

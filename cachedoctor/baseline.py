@@ -4,19 +4,20 @@ A team adopting cachedoctor on an old cache writes a baseline once (`--write-bas
 and from then on fails only on regressions (`--baseline FILE`). A finding is known when its
 fingerprint is in the baseline. The fingerprint is a hash of
 
-- the rule code,
+- the rule code;
 - the path relative to the baseline file's directory, `/`-separated, so a checkout moved to
-  another directory or machine matches, and
-- the finding's details (the evidence: ratio and bytes for CD201, devices for CD502, ...),
-  as canonical JSON, with absolute paths inside them made relative the same way, lists of
-  strings taken as sets (a dataset rule may list files in any order), and clock readings left
-  out: details whose key ends in `seconds`, `age`, `mtime` or `time` change while the defect
-  stays the same (CD104's lock file grows older on every run), and
-- no measure of how big the cache is: a finding about a whole dataset (CD304's dtypes, a split
-  of CD301/CD303/CD305, CD502's devices) must stay known while healthy files are added, so
-  details whose key ends in `files`, `count`, `counts` or `examples` (file lists, counts, a few
-  example files) are left out, and a tally (a mapping of names to numbers: dtype -> files) counts
-  by its names only. Per-file findings keep their path, so each new broken file is new.
+  another directory or machine matches;
+- the finding's details (the evidence: ratio and bytes for CD201, devices for CD502, ...) as
+  canonical JSON. Absolute paths inside them are made relative the same way. Lists of
+  strings are taken as sets, since a dataset rule may list files in any order. Clock readings
+  are left out: details whose key ends in `seconds`, `age`, `mtime` or `time` change while the
+  defect stays the same (CD104's lock file grows older on every run).
+
+No measure of how big the cache is goes in. A finding about a whole dataset (CD304's dtypes, a
+split of CD301/CD303/CD305, CD502's devices) must stay known while healthy files are added.
+So details whose key ends in `files`, `count`, `counts` or `examples` (file lists, counts, a
+few example files) are left out, and a tally (a mapping of names to numbers: dtype -> files)
+counts by its names only. Per-file findings keep their path, so each new broken file is new.
 
 The message is not hashed: its wording may change between versions and it carries ages.
 A baseline is JSON: `{"version": 1, "tool": {...}, "findings": [{"code", "path", "fingerprint",
@@ -135,6 +136,17 @@ class BaselineResult:
     report: Report  # only the findings that are new
     known: int  # findings hidden because the baseline has them
     fixed: int  # baseline entries no longer found (fixed, or their evidence changed)
+
+
+def named(path: str | None) -> Baseline | None:
+    """The baseline a policy names, loaded (BaselineError when it cannot be); None when the
+    policy names none. Loaded before the scan, so that a bad baseline fails at once."""
+    return Baseline.load(path) if path else None
+
+
+def apply_to(report: Report, baseline: Baseline | None) -> BaselineResult:
+    """`report` less the findings `baseline` records; without a baseline every finding is new."""
+    return baseline.apply(report) if baseline is not None else BaselineResult(report, 0, 0)
 
 
 def write(report: Report, path: str) -> int:

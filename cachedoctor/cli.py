@@ -19,6 +19,7 @@ from cachedoctor.harness.cli import harness_app
 from cachedoctor.reporters import FORMATS
 
 if TYPE_CHECKING:
+    from cachedoctor.layouts import Layout
     from cachedoctor.options import ScanOptions
     from cachedoctor.repair.plan import Reencode
     from cachedoctor.repair.session import Guard
@@ -86,12 +87,9 @@ def scan(
     from cachedoctor.reporters import reporter
 
     _check_jobs(jobs)
-    import dataclasses
-
     from cachedoctor import baseline as baselines
     from cachedoctor import config as configuration
-    from cachedoctor.api import resolve_policy
-    from cachedoctor.engine import scan as run_scan
+    from cachedoctor.api import resolve_policy, scan_policy
     from cachedoctor.layouts import TargetError
 
     try:
@@ -100,27 +98,25 @@ def scan(
             select=select, extend_select=extend_select, ignore=ignore, exclude=exclude, deep=deep,
             fail_on=fail_on, baseline=baseline, jobs=jobs, config=config_file, isolated=isolated,
             overrides=overrides, source="command line")
-        known = None
-        if policy.baseline and write_baseline is None:
-            known = baselines.Baseline.load(policy.baseline)
-    except (configuration.ConfigError, baselines.BaselineError) as exc:
+    except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
     chosen = reporter(fmt)
-    options = dataclasses.replace(policy.options, keep_paths=getattr(chosen, "NEEDS_PATHS", False))
     progress = _Progress() if (fmt == "text" or output) and sys.stderr.isatty() else None
     try:
-        report = run_scan(
+        # the API's path: the policy's baseline is loaded before the scan and applied after it
+        report, result = scan_policy(
             targets,
-            options,
+            policy,
+            use_baseline=write_baseline is None,
+            keep_paths=getattr(chosen, "NEEDS_PATHS", False),
             on_start=progress.start if progress else None,
             on_progress=progress.advance if progress else None,
         )
-    except TargetError as exc:
+    except (TargetError, baselines.BaselineError) as exc:
         raise fail(str(exc)) from None
     finally:
         if progress:
             progress.stop()
-    report = dataclasses.replace(report, policy=policy.applied)
     _policy_lines(policy.applied, detail=fmt == "text")
     if write_baseline is not None:
         try:
@@ -128,8 +124,7 @@ def scan(
         except OSError as exc:
             raise fail(f"cannot write baseline {write_baseline}: {exc.strerror or exc}") from None
         typer.echo(f"cachedoctor: recorded {count:,} findings in {write_baseline}", err=True)
-    elif known is not None:
-        result = known.apply(report)
+    elif policy.baseline:
         if result.known or result.fixed:
             typer.echo(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
                        f"not shown, {result.fixed:,} of its entries no longer found", err=True)
@@ -373,14 +368,18 @@ def fix(
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
     reencoding = Reencode.of(chosen, layouts) if chosen is not None else None
-    raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose, include_info))
+    raise typer.Exit(_fix(targets, layouts, roots, options, reencoding, dry_run, yes, wait, verbose,
+                          include_info))
 
 
 CANCELLED = "cancelled: nothing changed"
 
 
-def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reencode: Reencode | None,
-         dry_run: bool, yes: bool, wait: float, verbose: bool, include_info: bool = False) -> int:
+def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], options: ScanOptions,
+         reencode: Reencode | None, dry_run: bool, yes: bool, wait: float, verbose: bool,
+         include_info: bool = False) -> int:
+    """Scan the `layouts` resolved once for `targets` (their cache `roots` are what is locked),
+    then plan, show and apply."""
     import contextlib
 
     from cachedoctor.engine import scan as run_scan
@@ -400,7 +399,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
                     typer.echo(note)
             else:
                 _pending_notes(roots)
-            report = run_scan(targets, options)
+            report = run_scan(targets, options, layouts=layouts)
             plan = build_plan(report, roots, reencode, include_info=include_info)
             render_plan(plan, sys.stdout, verbose=verbose)
             if not plan.actions:

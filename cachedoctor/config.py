@@ -45,7 +45,6 @@ PYPROJECT = "pyproject.toml"
 FAIL_ON = tuple(FailOn)
 KEYS = ("select", "extend-select", "ignore", "exclude", "fail-on", "deep", "baseline", "severity",
         "rules")
-NOTHING = "NONE"  # a select entry that matches no code: what an empty selection becomes
 
 
 class ConfigError(Exception):
@@ -299,7 +298,7 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
                             tuple(p for layer in layers[:-1] for p in layer.exclude))
     options = ScanOptions(
         deep=bool(merged.deep),
-        select=tuple(enabled) or (NOTHING,),
+        selected=frozenset(enabled),
         exclude=merged.exclude,
         severity=merged.severity,
         settings=merged.rules,

@@ -595,10 +595,14 @@ class Scope(NamedTuple):
 
 # A scan's three steps. scan() runs them in turn; a sharded preflight (api._sharded) runs the
 # first two on every rank and the last over every rank's phase merged.
-def begin(targets: Iterable[str], options: ScanOptions) -> Scope:
-    """The layouts of `targets` and the rules `options` select. Raises TargetError."""
+def begin(targets: Iterable[str], options: ScanOptions, layouts: list[Layout] | None = None) -> Scope:
+    """The layouts of `targets` and the rules `options` select. Raises TargetError.
+
+    `layouts`: the targets' layouts, already resolved (fix resolves them once, for its locks).
+    """
     targets = tuple(targets)
-    return Scope(targets, resolve(targets), options, selected_rules(options))
+    return Scope(targets, resolve(targets) if layouts is None else layouts, options,
+                 selected_rules(options))
 
 
 def read_files(scope: Scope, on_progress: Callable[[int], None] | None = None,
@@ -615,13 +619,15 @@ def finish(scope: Scope, phase: FilePhase) -> Report:
 
 def scan(targets: Iterable[str], options: ScanOptions | None = None, *,
          on_start: Callable[[int | None], None] | None = None,
-         on_progress: Callable[[int], None] | None = None) -> Report:
+         on_progress: Callable[[int], None] | None = None,
+         layouts: list[Layout] | None = None) -> Report:
     """Scan `targets` (dirs, files or trainer configs). Raises TargetError for a bad target.
 
     The tree is walked once: `on_start(n)` is called as the walk lists files, with the number
     listed so far (a progress bar's total, which grows until the walk is done), and
-    `on_progress(n)` as each n more files are checked."""
-    scope = begin(targets, options or ScanOptions())
+    `on_progress(n)` as each n more files are checked. `layouts`: the targets' layouts when the
+    caller has resolved them already (they are not resolved again)."""
+    scope = begin(targets, options or ScanOptions(), layouts)
     return finish(scope, read_files(scope, on_progress, on_start))
 
 

@@ -20,13 +20,16 @@ def default_jobs() -> int:
 
 @dataclass(frozen=True)
 class ScanOptions:
-    """How a scan runs: rules selected, --deep, jobs, exclusions, severity and settings."""
+    """How a scan runs: rules enabled, --deep, jobs, exclusions, severity and settings.
+
+    `selected` is the selection already resolved (resolve_selection, which config.policy runs
+    over every layer of select, extend-select and ignore): the codes of the enabled rules.
+    None enables every rule.
+    """
 
     deep: bool = False
     jobs: int = field(default_factory=default_jobs)
-    select: tuple[str, ...] = ()  # codes or prefixes ("CD2"); empty = every rule
-    ignore: tuple[str, ...] = ()
-    extend_select: tuple[str, ...] = ()
+    selected: frozenset[str] | None = None
     exclude: tuple[str, ...] = ()  # glob patterns of paths to skip
     severity: Mapping[str, Severity] = field(default_factory=lambda: MappingProxyType({}))
     settings: Mapping[str, Mapping[str, Any]] = field(
@@ -38,19 +41,14 @@ class ScanOptions:
     def __reduce__(self):
         return (
             ScanOptions,
-            (self.deep, self.jobs, self.select, self.ignore, self.extend_select, self.exclude,
+            (self.deep, self.jobs, self.selected, self.exclude,
              dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard,
              self.keep_paths),
         )
 
     def enabled(self, code: str) -> bool:
-        """ruff's selection: the most specific matching prefix wins; ignore beats select on a tie."""
-        select = self.select or ("CD",)
-        chosen = _longest(code, (*select, *self.extend_select))
-        dropped = _longest(code, self.ignore)
-        if chosen < 0:
-            return False
-        return dropped < chosen
+        """Whether the rule `code` runs (and its findings are reported)."""
+        return self.selected is None or code in self.selected
 
 
 @dataclass(frozen=True)
@@ -63,9 +61,13 @@ class Selection:
 
 
 def resolve_selection(layers: Iterable[Selection], codes: Iterable[str]) -> list[str]:
-    """The codes enabled after applying `layers` in order, as ruff resolves its rule selection:
-    a layer's `select` starts afresh, its `extend-select` and `ignore` change what the layers
-    below chose; within a layer the most specific prefix wins, ignore winning a tie."""
+    """The codes enabled after applying `layers` in order, as ruff resolves its rule selection.
+
+    A layer's `select` starts afresh. Its `extend-select` and `ignore` change what the layers
+    below chose. Within a layer the most specific prefix wins, and ignore wins a tie. This is
+    the one place a selection is resolved: flags, config files and API keywords all become
+    layers (config.policy), and a scan gets the result as ScanOptions.selected.
+    """
     codes = list(codes)
     enabled = set(codes)  # no layer: every rule
     for layer in layers:

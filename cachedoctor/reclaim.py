@@ -2,13 +2,17 @@
 the result's "shrank by".
 
 Bytes are apparent sizes (`st_size`, what `du --apparent-size --bytes` adds up), not allocated
-blocks: they are what the file holds on any file system, and the same before a copy and after. A
-file's bytes count once, under the one action a repair takes on it: its whole size when a
-finding quarantines it (broken or hostile wins), else the bytes a compact drops (CD201's
-estimate of the storage nobody uses, scaled by a gzip file's compression), else nothing (a to-
-cpu rewrite changes a few bytes of device names: the result says how many). Quarantined and
-replaced originals stay on disk, in the cache's quarantine, until `cachedoctor purge` deletes
-them: the cache shrinks by this number only then.
+blocks: they are what the file holds on any file system, and the same before a copy and after.
+
+A file's bytes count once, under the one action a repair takes on it:
+
+- its whole size when a finding quarantines it (broken or hostile wins);
+- else the bytes a compact drops: CD201's estimate of the storage nobody uses, scaled by a
+  gzip file's compression;
+- else nothing. A to-cpu rewrite changes a few bytes of device names; the result says how many.
+
+Quarantined and replaced originals stay on disk, in the cache's quarantine, until
+`cachedoctor purge` deletes them. The cache shrinks by this number only then.
 
 By default `fix` acts on findings at warning or above (`--include-info` adds info ones), and so
 does this count.

@@ -1,15 +1,18 @@
 """The one small protocol every rule in checks/ implements.
 
 A rule module holds its explanation as the module docstring and one `RULE = Rule(...)`.
-A rule checks one file (`check_file(meta, ctx)`, run in the worker processes, returns its one
-finding or None: it runs for every file, so it must be cheap; for a latent or text file it
-judges the file's facts and entry, never its path or mtime, which it only names: the engine
-gives files with a twin's facts the twin's verdict, see engine.ScanState), a whole dataset
-(`check_dataset(view, ctx)`, run once after the files are read, over compact per-file
-summaries and coverage rows, yields findings) and/or the trainer configs
-(`check_layouts(layouts, ctx)`, run once per scan in the main process over every Layout, so
-that facts spanning two configs are visible, yields findings). Rules never open files: what
-they know comes from the readers and the layouts.
+A rule checks one file, a whole dataset, the trainer configs, or several of these:
+
+- `check_file(meta, ctx)` runs in the worker processes and returns its one finding or None.
+  It runs for every file, so it must be cheap. For a latent or text file it judges the
+  file's facts and entry, never its path or mtime, which it only names: the engine gives
+  files with a twin's facts the twin's verdict (engine.ScanState).
+- `check_dataset(view, ctx)` runs once after the files are read, over compact per-file
+  summaries and coverage rows, and yields findings.
+- `check_layouts(layouts, ctx)` runs once per scan in the main process, over every Layout,
+  so that facts spanning two configs are visible, and yields findings.
+
+Rules never open files: what they know comes from the readers and the layouts.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """Compact per-file summaries for the dataset rules, kept on disk so memory stays flat.
 
-A worker turns each cache file's FileMeta into a FileSummary (the few facts a dataset rule
-compares: primary latent shape, dtypes, text-embedding signature, devices, and what the
-trainer's naming says: bucket, expected latent size, model family, and in a bare tree the
-folder of the file's dataset, its group: rules compare files of one group only). The main process appends
-them to a SummaryStore (a temporary SQLite file that spills to disk) and each dataset rule
-streams its dataset's summaries back as often as it needs.
+A worker turns each cache file's FileMeta into a FileSummary: the few facts a dataset rule
+compares. Those are the primary latent shape, dtypes, text-embedding signature and devices,
+and what the trainer's naming says: bucket, expected latent size and model family. In a bare
+tree a summary also holds its group, the folder of the file's dataset: rules compare files
+of one group only. The main process appends the summaries to a SummaryStore (a temporary
+SQLite file that spills to disk). Each dataset rule streams its dataset's summaries back as
+often as it needs.
 
-The store also holds one coverage row per image and per latent cache entry (its coverage key:
-which image the entry belongs to), plus the images the trainer's metadata lists; the coverage
-rules (CD404-CD407) ask SQLite to join them, so no list of every file is kept in memory.
+The store also holds one coverage row per image and per latent cache entry. A row's coverage
+key says which image the entry belongs to. The images the trainer's metadata lists are rows
+too. The coverage rules (CD404-CD407) ask SQLite to join them, so no list of every file is
+kept in memory.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """## What it does
 `cachedoctor verify` only. Reports a dataset whose sampled latents are, for most entries, as
-far from a fresh encode of their image as the latents of unrelated pictures are: the cache was
+far from a fresh encode of their image as the latents of unrelated pictures are. The cache was
 written by another VAE than the one given with `--encoder` (SD 1.5's and SDXL's VAEs both give
 4-channel latents of the same shape), or by another version or precision of it.
 

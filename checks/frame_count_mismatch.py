@@ -1,9 +1,9 @@
 """## What it does
-Reports a musubi-tuner video latent whose frame count disagrees: the clip's frame count in its
-file name (`<stem>_<pos>-<frames>_<W>x<H>_<arch>.safetensors`) is not one of the dataset's
-`target_frames` (rounded to 4n+1, as musubi rounds them), or not the `frame_count` in the
-file's header, or the latent's frame axis is not (frames - 1) / 4 + 1, what musubi's video
-VAEs make of that many frames.
+Reports a musubi-tuner video latent whose frame count disagrees. The clip's frame count is in
+its file name (`<stem>_<pos>-<frames>_<W>x<H>_<arch>.safetensors`). The latent is reported
+when that count is not one of the dataset's `target_frames` (rounded to 4n+1, as musubi
+rounds them), or not the `frame_count` in the file's header. It is also reported when its
+frame axis is not (frames - 1) / 4 + 1, what musubi's video VAEs make of that many frames.
 
 ## Why is this bad?
 musubi trains on every latent of the architecture in the cache directory: clips cached for

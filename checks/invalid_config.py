@@ -1,20 +1,25 @@
 """## What it does
 Reports what is wrong in a trainer config that parses but that the trainer cannot use as
-written: a key of the wrong type (`"vae_cache_clear_each_epoch": "yes"`, `resolution =
-"big"`), a dataset without its image dir (`instance_data_dir`, `image_dir`, `folder_path`, a
-concept's `path`), an `{env:VAR}` placeholder whose variable is not set, a duplicate dataset
-id, a bucket metadata file that is not valid JSON. Each finding names the file, the line, the
-key and what was expected.
+written:
+
+- a key of the wrong type (`"vae_cache_clear_each_epoch": "yes"`, `resolution = "big"`);
+- a dataset without its image dir (`instance_data_dir`, `image_dir`, `folder_path`, a
+  concept's `path`);
+- an `{env:VAR}` placeholder whose variable is not set;
+- a duplicate dataset id;
+- a bucket metadata file that is not valid JSON.
+
+Each finding names the file, the line, the key and what was expected.
 
 A config file that does not parse at all (bad JSON, TOML or YAML) is no finding: the scan stops
 with a one-line error naming the file and line, and exit code 2.
 
 ## Why is this bad?
-Trainers react differently, and rarely well: SimpleTuner refuses to start without
-`instance_data_dir` but silently substitutes an empty string for an unset `{env:VAR}` (so a
-cache dir may land in `/`), kohya and OneTrainer stop with a validation traceback, and a
-damaged bucket file is thrown away and rebuilt on the next start, with every latent of the
-dataset re-checked.
+Trainers react differently, and rarely well. SimpleTuner refuses to start without
+`instance_data_dir`, but silently substitutes an empty string for an unset `{env:VAR}` (so a
+cache dir may land in `/`). kohya and OneTrainer stop with a validation traceback. A damaged
+bucket file is thrown away and rebuilt on the next start, with every latent of the dataset
+re-checked.
 
 ## Example
 ```

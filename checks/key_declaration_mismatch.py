@@ -7,13 +7,16 @@ latent whose file name gives another original size (`_<WWWW>x<HHHH>_`) than its 
 checked.
 
 ## Why is this bad?
-musubi trusts the names: the training loader strips the `_<F>x<H>x<W>` and the dtype from each
-key and stacks the tensors of a batch under what is left, and it buckets items by the size in
-the file name and the control keys' declared shapes. A latent that is not the size its key
-says crashes `torch.stack` in the middle of an epoch (or lands in a bucket it does not fit);
-one that is not the dtype its key says was cast by some other tool after caching and trains in
-another precision than the rest; a file whose name gives another size than its header was
-renamed or copied from another item, and is bucketed by a size it was not encoded at.
+musubi trusts the names. The training loader strips the `_<F>x<H>x<W>` and the dtype from each
+key and stacks the tensors of a batch under what is left. It buckets items by the size in the
+file name and the control keys' declared shapes. So:
+
+- a latent that is not the size its key says crashes `torch.stack` in the middle of an epoch
+  (or lands in a bucket it does not fit);
+- one that is not the dtype its key says was cast by some other tool after caching, and trains
+  in another precision than the rest;
+- a file whose name gives another size than its header was renamed or copied from another
+  item, and is bucketed by a size it was not encoded at.
 
 ## Example
 ```

@@ -9,8 +9,8 @@ fine. kohya's npz are not judged: kohya keeps every model's cache beside the ima
 ## Why is this bad?
 One cache directory is one dataset's cache for one model. Two caching passes for different
 models pointed at the same `cache_directory` leave two sets of latents and text-encoder
-outputs side by side: each trainer globs only its own architecture, so the other set is dead
-weight, but the next caching pass of either (without `--keep_cache`) treats the directory as
+outputs side by side. Each trainer globs only its own architecture, so the other set is dead
+weight. But the next caching pass of either (without `--keep_cache`) treats the directory as
 its own, and a dataset config copied from one model to the other silently reuses the wrong
 set's captions and buckets. Usually the dataset config of one of the runs points at the wrong
 directory.

@@ -1,10 +1,15 @@
 """## What it does
-Reports a cache file that cannot be parsed as its format: a torch zip archive with no central
-directory (truncated or half-written), an entry that runs past the end of the file, a missing
-`data.pkl` or storage record, a legacy torch stream that ends early, a safetensors header whose
-length or offsets are wrong, an npz member cut short, a gzip stream that ends before its end
-marker, an Arrow stream (a 🤗 datasets cache) cut inside a message or without its end-of-stream
-marker, or a file of zeros where a cache file should be.
+Reports a cache file that cannot be parsed as its format:
+
+- a torch zip archive with no central directory (truncated or half-written), an entry that
+  runs past the end of the file, or a missing `data.pkl` or storage record;
+- a legacy torch stream that ends early;
+- a safetensors header whose length or offsets are wrong;
+- an npz member cut short;
+- a gzip stream that ends before its end marker;
+- an Arrow stream (a 🤗 datasets cache) cut inside a message or without its end-of-stream
+  marker;
+- a file of zeros where a cache file should be.
 
 ## Why is this bad?
 The trainer dies when it reaches the file, often hours in and on one rank of many, with an

@@ -18,8 +18,18 @@ from cachedoctor.options import ScanOptions
 REPO = Path(__file__).resolve().parent.parent
 
 
-def scan_paths(*targets: os.PathLike | str, **options) -> Report:
+def scan_paths(*targets: os.PathLike | str, select: tuple[str, ...] | None = None,
+               extend_select: tuple[str, ...] = (), ignore: tuple[str, ...] = (),
+               **options) -> Report:
+    """engine.scan with these ScanOptions; `select`, `extend_select` and `ignore` become its
+    enabled rules the one way every selection does (resolve_selection)."""
     options.setdefault("jobs", 1)
+    if select is not None or extend_select or ignore:
+        from cachedoctor.checks import RULES
+        from cachedoctor.options import Selection, resolve_selection
+
+        layer = Selection(tuple(select) if select else None, tuple(extend_select), tuple(ignore))
+        options["selected"] = frozenset(resolve_selection([layer], RULES))
     return scan([str(t) for t in targets], ScanOptions(**options))
 
 

@@ -14,9 +14,9 @@ with no table, which the next run overwrites.
 
 Reading here never loads a blob: each is handed to the ordinary readers as a window of its
 shard (`BlobSource`) and reported as `shard_<n>.bin@<offset>`. The database is opened
-read-only and immutable (nothing written, no journal or lock created), only tables are read
+read-only and immutable: nothing is written, no journal or lock created. Only tables are read
 (a view named `shard_1` could compute forever), rows are bounded, and the SQLite VM is
-interrupted after a bounded amount of work: a hostile or corrupt `metadata.db` is an error on
+interrupted after a bounded amount of work. A hostile or corrupt `metadata.db` is an error on
 that file, never a traceback or a hang.
 """
 

@@ -1,12 +1,16 @@
 """torch's pre-1.0 tar format, which torch.load still tries first on any file that is no zip.
 
 `torch.serialization._legacy_load` opens a real file with `tarfile` before it reads a legacy
-pickle stream; when the first 512 bytes pass as a tar header, the tar reading is the one torch
-takes: it extracts the members `storages` (a pickled count, then per storage a pickled
-(key, location, storage type), an int64 element count and the raw bytes, then a pickled list
-of views), `tensors` (a pickled count, then per tensor a pickle and packed sizes) and `pickle`
-(the saved object). Any such pickle runs under `weights_only=False`, so a file whose bytes are
-both a clean legacy stream and a tar (a polyglot) must be judged as both.
+pickle stream. When the first 512 bytes pass as a tar header, the tar reading is the one torch
+takes. It extracts three members:
+
+- `storages`: a pickled count, then per storage a pickled (key, location, storage type), an
+  int64 element count and the raw bytes, then a pickled list of views;
+- `tensors`: a pickled count, then per tensor a pickle and packed sizes;
+- `pickle`: the saved object.
+
+Any such pickle runs under `weights_only=False`. So a file whose bytes are both a clean legacy
+stream and a tar (a polyglot) must be judged as both.
 
 No torch.save since 0.1.10 writes this format: it is read here to list the globals of every
 pickle torch would run, within budgets (MAX_MEMBERS headers, MAX_PICKLES pickles a member,

@@ -2,18 +2,21 @@
 each storage's bytes, `<prefix>/version` the format version.
 
 The checks are the ones torch.load makes when it opens the archive and rebuilds each tensor
-(PyTorchStreamReader and torch.serialization._load), with torch's wording in parentheses so a
-user can match their traceback: the first entry must sit in a subdirectory (its name is the
-prefix; torch writes the file's stem or `archive`), data.pkl and a version record must exist,
-every storage data.pkl names must have a record of numel x itemsize bytes, and every tensor
-must lie inside its storage. Records are found as torch finds them, by name with A-Z folded
-(PyTorchStreamReader asks miniz with flags 0): two entries whose names fold alike are two
-readings of one record, an error, and every data.pkl among them is unpickled (restricted), so
-its globals count whichever one a loader takes; entries torch never reads are scanned for
-pickles as any zip's (zip_members). With `deep`, every entry's CRC32 is checked (torch.load never
-does) and float tensors are searched for NaN and Inf; each storage entry is read (inflated,
-when a zip tool deflated it) once, in bounded chunks that feed both checks, however many
-tensors view it.
+(PyTorchStreamReader and torch.serialization._load). torch's wording goes in parentheses, so
+that a user can match their traceback. The first entry must sit in a subdirectory: its name
+is the prefix, and torch writes the file's stem or `archive`. data.pkl and a version record
+must exist. Every storage data.pkl names must have a record of numel x itemsize bytes, and
+every tensor must lie inside its storage.
+
+Records are found as torch finds them, by name with A-Z folded (PyTorchStreamReader asks
+miniz with flags 0). Two entries whose names fold alike are two readings of one record, which
+is an error. Every data.pkl among them is unpickled (restricted), so its globals count
+whichever one a loader takes. Entries torch never reads are scanned for pickles as any zip's
+are (zip_members).
+
+With `deep`, every entry's CRC32 is checked (torch.load never does) and float tensors are
+searched for NaN and Inf. Each storage entry is read once (inflated, when a zip tool deflated
+it), in bounded chunks that feed both checks, however many tensors view it.
 """
 
 from __future__ import annotations

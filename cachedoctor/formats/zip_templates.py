@@ -3,14 +3,16 @@
 The files of one cache are mostly byte-for-byte alike outside their payloads: the same entries
 at the same offsets, differing only in the archive prefix (torch names it after the file's
 stem), the CRC32 fields and the stored bytes. After a file's central directory has been parsed
-and found sound, its layout becomes a template: a regular expression per window of the file
-in memory that spells out every structural byte literally (local headers, data descriptors,
-central directory, zip64 and end records) and leaves as wildcards only the prefix (one and the
-same everywhere), the CRC fields and the payloads. A later file of the same size that matches
-it has exactly that directory, so parsing it again is skipped: the match runs in C. A small
-file is one window; a file too big to read whole is matched on the head and tail windows the
-source keeps (source.py) when every byte between them is payload: torch puts data.pkl and the
-small records first and the central directory last, so a file of one large storage qualifies.
+and found sound, its layout becomes a template. That is a regular expression per window of the
+file in memory. It spells out every structural byte literally (local headers, data
+descriptors, central directory, zip64 and end records). Only the prefix (one and the same
+everywhere), the CRC fields and the payloads are wildcards. A later file of the same size that
+matches it has exactly that directory, so parsing it again is skipped: the match runs in C.
+
+A small file is one window. A file too big to read whole is matched on the head and tail
+windows the source keeps (source.py), when every byte between them is payload. torch puts
+data.pkl and the small records first and the central directory last, so a file of one large
+storage qualifies.
 A file that matches is still read by the torch reader (data.pkl, the version record), unless it
 is a twin (below); --deep never uses templates, since CRCs are what it checks.
 

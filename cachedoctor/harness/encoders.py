@@ -35,9 +35,9 @@ def read_images(paths: Sequence[str | Path], device: torch.device) -> torch.Tens
 class TinyTextEncoder:
     """Caption bytes -> seeded embedding table -> SDXL-shaped prompt and pooled embeddings.
 
-    The output has SDXL's sizes (a 77 x 2048 fp16 embedding is a 315 KB cache file), because the
-    size of the file decides which error a reader of a half-written one gets (tensor-formats.md
-    §1: only truncated archives over ~68 KiB say "failed finding central directory").
+    The output has SDXL's sizes (a 77 x 2048 fp16 embedding is a 315 KB cache file). The size
+    of the file decides which error a reader of a half-written one gets: torch.load says
+    "failed finding central directory" only for a truncated archive over ~68 KiB.
     """
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:

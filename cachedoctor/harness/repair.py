@@ -1,10 +1,10 @@
 """The repairs `verify` applies to a cache a buggy writer made, one after the other:
 
-1. `cachedoctor fix` on the cache as the buggy writer left it: rank 0 scans the project, builds
-   the plan and applies it through the API the CLI runs (`fix <config> <cache dirs> --yes`:
-   recover, scan, build_plan, Plan.execute, journaled and undoable), then scans again; the other
-   ranks wait at the barriers, as they would wait for a pre-flight step;
-2. the corrected writer, each rank encoding its share again over what is there.
+1. `cachedoctor fix` on the cache as the buggy writer left it. Rank 0 scans the project,
+   builds the plan and applies it through the API the CLI runs (`fix <config> <cache dirs>
+   --yes`: recover, scan, build_plan, Plan.execute, journaled and undoable). Then it scans
+   again. The other ranks wait at the barriers, as they would wait for a pre-flight step.
+2. The corrected writer: each rank encodes its share again over what is there.
 
 After each, the scenario measures the cache, checks its tensors against the buggy cache's and
 trains on it, so that both repairs are shown to give the same cache and the same loss.

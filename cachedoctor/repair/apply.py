@@ -12,10 +12,10 @@ Per action (journal states in capitals, each committed before the next step):
                      existing file) -> DONE
 
 Before it records anything, each action checks that its file is the one planned (device, inode,
-size, mtime) and reaches it from the cache root's descriptor, folder by folder, never through a
-symlink (confined.py); a file or folder that changed since the plan (renamed, grown, replaced,
-swapped for a symlink that may lead out of the cache) is skipped and reported. Moves, links and
-renames name both ends by (folder fd, name). A rewrite keeps the file's mode, owner, group and
+size, mtime). It reaches the file from the cache root's descriptor, folder by folder, never
+through a symlink (confined.py). A file or folder that changed since the plan (renamed, grown,
+replaced, swapped for a symlink that may lead out of the cache) is skipped and reported. Moves,
+links and renames name both ends by (folder fd, name). A rewrite keeps the file's mode, owner, group and
 mtime. An action that fails (verification, a file that changed meanwhile, an I/O error such as
 a full disk) is rolled back on the spot (rollback.py) and reported; the run goes on with the
 next one. A journal that cannot be written (a full disk) stops the run: the next fix or undo

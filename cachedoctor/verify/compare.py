@@ -1,11 +1,11 @@
 """How close a cached latent is to a fresh encode.
 
 `error` is the normalised error |c - f| / |f|; `cosine` the cosine similarity of c and f. Both
-depend on how much latents of different images differ, so the verdicts use `distance`: |c - f|
-over the distance between latents of unrelated images of the same bucket (the median distance
-between the fresh encodes of two sampled images; with one image only, sqrt(2)·|f - mean(f)|,
-what two independent latents of f's statistics are apart). 0 is the same latent; about 1 is
-the latent of another picture (or of another VAE).
+depend on how much latents of different images differ, so the verdicts use `distance`. That
+is |c - f| over the distance between latents of unrelated images of the same bucket: the
+median distance between the fresh encodes of two sampled images. With one image only, it is
+sqrt(2)·|f - mean(f)|, how far apart two independent latents of f's statistics are. 0 is the
+same latent; about 1 is the latent of another picture (or of another VAE).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """What went wrong with the entries that do not match: the CD6xx verdicts.
 
-A dataset is judged as a whole first: when mismatches are the fresh encode times a factor plus
-a shift, its scaling differs (CD602); when most compared entries are as far from their fresh
-encode as unrelated latents are, and the first few of them are no flip, crop or other image,
-the cache is of another VAE (CD601). The entries left are
-tried, cheapest first, against the fresh encodes of the other sampled images of their bucket
-(CD605), against their image mirrored (CD603) and against neighbouring crops (CD604); what
-none explains changed since it was cached (CD606).
+A dataset is judged as a whole first. When mismatches are the fresh encode times a factor
+plus a shift, its scaling differs (CD602). When most compared entries are as far from their
+fresh encode as unrelated latents are, and the first few of them are no flip, crop or other
+image, the cache is of another VAE (CD601).
+
+The entries left are tried, cheapest first: against the fresh encodes of the other sampled
+images of their bucket (CD605), against their image mirrored (CD603), and against
+neighbouring crops (CD604). What none of these explains changed since it was cached (CD606).
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ EXPECTED = ("CD101",)
 ATTEMPTS = 3
 ROUNDS = 3
 READ_TIMEOUT = 30.0
-# What torch.load says about a torn file (tensor-formats.md §1): cut short ("failed finding
-# central directory", or Errno 22 for 4-68 KiB), empty (EOFError), or its head lost to a second
-# writer's truncation (no zip magic, so the legacy and weights-only paths complain).
+# What torch.load says about a torn file. Cut short: "failed finding central directory", or
+# Errno 22 when 4-68 KiB are left. Empty: EOFError. Its head lost to a second writer's
+# truncation: no zip magic, so the legacy and weights-only paths complain.
 HALF_WRITTEN = ("PytorchStreamReader failed reading zip archive", "[Errno 22] Invalid argument", "EOFError",
                 "Weights only load failed", "legacy .tar format")
 WRITER_BUG = "UnboundLocalError: cannot access local variable 'batch'"
