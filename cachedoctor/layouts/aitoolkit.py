@@ -21,6 +21,7 @@ folders: each image then has one entry per distinct bucket (toolkit/buckets.py).
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import os
@@ -193,10 +194,19 @@ class _Directory(DirectoryNaming):
         self.skipped = any(p.startswith(".") or p in SKIPPED_DIRS or p == ".." for p in parts)
         self.prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
         self.expects = naming.expects_cache
+        self.keyed = True
         if naming.bare:
-            # without the config, images need entries only where their folder has a cache
+            # without the config, images need entries only where their folder has a cache, and
+            # a cache whose folder holds no image at all (copied away from its images) is judged
+            # file by file: its entries are no orphans of images it never had
             self.expects = not self.in_latents and os.path.isdir(os.path.join(path, LATENT_DIR))
             self.group = path if self.in_latents else None
+            if self.in_latents:
+                parent = os.path.dirname(path)
+                try:
+                    self.keyed = _holds_images(parent, os.stat(parent).st_mtime_ns)
+                except OSError:
+                    self.keyed = False
 
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.in_latents or self.skipped or name.startswith("."):
@@ -212,9 +222,23 @@ class _Directory(DirectoryNaming):
         if not self.in_latents or not name.endswith(".safetensors"):
             return CacheFacts()
         facts = header_facts(meta, self.prefix)
+        if not self.keyed:
+            return facts._replace(key=None)
         if facts.key in self.naming.incomplete:
             return facts._replace(key=None)  # its image is reported missing another entry
         return facts
+
+
+@functools.lru_cache(maxsize=256)
+def _holds_images(folder: str, _mtime_ns: int) -> bool:
+    """Whether `folder` holds an image ai-toolkit would cache (stops at the first). Per worker,
+    once per folder as it is (the mtime in the key): each batch of a big cache would ask again."""
+    try:
+        with os.scandir(folder) as found:
+            return any(e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith(".")
+                       for e in found)
+    except OSError:
+        return False
 
 
 def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:

@@ -56,6 +56,19 @@ def test_a_deleted_entry_and_an_orphan_are_reported(tmp_path: Path, cache: bool)
     assert {f.code for f in report.findings} == {"CD404", "CD405"}
 
 
+def test_a_latent_cache_copied_away_from_its_images_has_no_orphans(tmp_path: Path) -> None:
+    """A `_latent_cache` whose folder holds no image (copied elsewhere to be checked) is judged
+    file by file: its entries are not the orphans of images it never had."""
+    import shutil
+
+    project = aitoolkit.build(tmp_path / "p", defects=["CD302"])
+    copy = tmp_path / "copy" / "_latent_cache"
+    shutil.copytree(project.root / "datasets" / aitoolkit.DATASET / "_latent_cache", copy)
+    report = scan_paths(copy)
+    assert {f.code for f in report.findings} == {"CD302"}  # the header's crop is still read
+    assert len(by_code(report, "CD302")) == len(project.expected["CD302"])
+
+
 def test_a_folder_of_image_folders_counts_each_folder(tmp_path: Path) -> None:
     """`datasets/` holding `person/` (cached) and `style/` (no `_latent_cache`: a dataset without
     cache_latents_to_disk): only person's images need entries."""
