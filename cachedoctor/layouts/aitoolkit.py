@@ -16,6 +16,12 @@ size; its expected size is the crop size / 8 for the VAE families known to use f
 Caches beside the images are by design (no CD401). A `resolution` list makes one dataset per
 resolution (config_modules.py preprocess_dataset_raw_config), all caching into the same
 folders: each image then has one entry per distinct bucket (toolkit/buckets.py).
+
+Without a config (layouts/bare.py: an image folder holding `_latent_cache/`, a folder of them,
+or a `_latent_cache/` itself) the naming is the same with `bare`: the header's `filename` still
+pairs entries with images, an image needs an entry where its folder has a `_latent_cache/`, and
+the resolution list, which only the config holds, is read off the files: an image lacks a bucket
+that images of its size have (`same_size_gaps`), and the finding says the config would tell.
 """
 
 from __future__ import annotations
