@@ -62,7 +62,8 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
                    rules: Mapping[str, Mapping[str, Any]] | None = None,
                    config: str | os.PathLike | None = None, isolated: bool = False,
                    jobs: int | None = None, overrides: Iterable[configuration.Config] = (),
-                   source: str = "arguments") -> configuration.Policy:
+                   source: str = "arguments",
+                   include_info: bool | None = None) -> configuration.Policy:
     """The Policy the keyword options and the config file make (raises ConfigError).
 
     The options are the top layer, over `overrides` (`--config 'KEY = VALUE'`), over the file.
@@ -77,6 +78,7 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
         "baseline": os.fspath(baseline) if baseline is not None else None,
         "severity": {code: str(level) for code, level in (severity or {}).items()},
         "rules": {code: dict(values) for code, values in (rules or {}).items()},
+        "include-info": include_info,
     }
     table = {key: value for key, value in given.items() if value not in (None, {})}
     policy = configuration.policy(configuration.parse(table, source), config=config,

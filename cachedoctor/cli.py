@@ -191,19 +191,21 @@ def _check_jobs(jobs: int | None) -> None:
 
 
 def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
-                 exclude: list[str] | None, jobs: int | None) -> ScanOptions:
-    """fix's ScanOptions: the same config files and layering as scan's, with fix's flags on top."""
+                 exclude: list[str] | None, jobs: int | None,
+                 include_info: bool | None = None) -> tuple[ScanOptions, bool]:
+    """fix's ScanOptions and whether it acts on info findings: the same config files and
+    layering as scan's, with fix's flags on top."""
     from cachedoctor import config as configuration
     from cachedoctor.api import resolve_policy
 
     _check_jobs(jobs)
     try:
         policy = resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
-                                jobs=jobs, source="command line")
+                                jobs=jobs, source="command line", include_info=include_info)
     except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
     _policy_lines(policy.applied, detail=True)
-    return policy.options
+    return policy.options, policy.include_info
 
 
 class _Progress:
@@ -310,8 +312,10 @@ def fix(
         metavar="SPEC", help="For --reencode: diffusers:PATH | module:callable | reference (tests only).")] = None,
     wait: Annotated[float, typer.Option(metavar="SECONDS", help="Wait this many seconds for another fix or undo "
                                              "on the same cache (default: fail at once).")] = 0.0,
-    include_info: Annotated[bool, typer.Option(
-        "--include-info", help="Act on info findings too (CD405 orphans); default: warning and above.")] = False,
+    include_info: Annotated[bool | None, typer.Option(
+        "--include-info/--no-include-info", show_default=False,
+        help="Act on info findings too (CD405 orphans); default: warning and above, or the config's "
+             "include-info.")] = None,
     list_runs: Annotated[bool, typer.Option("--list-runs", help="List the runs (of TARGETs' caches, "
                                             "or of every cache you fixed) and exit.")] = False,
     jobs: Annotated[int | None, typer.Option("-j", "--jobs", metavar="N", help="Scan worker processes.")] = None,
@@ -319,7 +323,8 @@ def fix(
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
 
-    Acts on findings at warning or above (--include-info adds info ones). Exit 0 when every
+    Acts on findings at warning or above (--include-info, or include-info = true in the
+    config, adds info ones). Exit 0 when every
     action was applied (or there was nothing to do), 1 when some action failed and was rolled
     back, 2 on a usage or environment error, 130 when cancelled or interrupted (Ctrl-C, SIGTERM).
     """
@@ -348,7 +353,7 @@ def fix(
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file, a trainer config or project folder), "
                    "or --list-runs")
-    options = _fix_options(deep, select, ignore, exclude, jobs)
+    options, include_info = _fix_options(deep, select, ignore, exclude, jobs, include_info)
     if encoder is not None and not reencode:
         raise fail("--encoder is for --reencode")
     chosen = None

@@ -13,6 +13,7 @@ the file instead, `--isolated` ignores every file. Keys:
     deep = true                    # read whole tensors (CRC32, NaN/Inf)
     baseline = "cachedoctor-baseline.json"   # relative to the file's directory
     severity = { CD201 = "error" }
+    include-info = true            # fix acts on info findings too (--[no-]include-info wins)
     [rules.CD201]                  # (in pyproject: [tool.cachedoctor.rules.CD201])
     min-ratio = 2.0
     min-wasted-bytes = 1_000_000
@@ -44,7 +45,7 @@ CONFIG_FILE = "cachedoctor.toml"
 PYPROJECT = "pyproject.toml"
 FAIL_ON = tuple(FailOn)
 KEYS = ("select", "extend-select", "ignore", "exclude", "fail-on", "deep", "baseline", "severity",
-        "rules")
+        "rules", "include-info")
 
 
 class ConfigError(Exception):
@@ -66,6 +67,7 @@ class Config:
     baseline: str | None = None  # absolute path
     severity: Mapping[str, Severity] = field(default_factory=_frozen)
     rules: Mapping[str, Mapping[str, Any]] = field(default_factory=_frozen)
+    include_info: bool | None = None  # fix acts on info findings too
     source: str = ""  # what reports call this layer: a file, `--config '...'`, "command line"
 
     def over(self, lower: Config) -> Config:
@@ -81,6 +83,7 @@ class Config:
             baseline=self.baseline if self.baseline is not None else lower.baseline,
             severity=MappingProxyType({**lower.severity, **self.severity}),
             rules=MappingProxyType(rules),
+            include_info=self.include_info if self.include_info is not None else lower.include_info,
         )
 
 
@@ -92,6 +95,7 @@ class Policy:
     fail_on: FailOn = DEFAULT_FAIL_ON
     baseline: str | None = None
     applied: AppliedPolicy = field(default_factory=AppliedPolicy)  # config layers, rules off
+    include_info: bool = False  # fix acts on info findings too
 
 
 def find(start: str | os.PathLike | None = None) -> Path | None:
@@ -160,6 +164,9 @@ def parse(table: Any, source: str, prefix: str = "", base: str | None = None) ->
     deep = table.get("deep")
     if deep is not None and not isinstance(deep, bool):
         raise error("deep", f"expected true or false, got {deep!r}")
+    include_info = table.get("include-info")
+    if include_info is not None and not isinstance(include_info, bool):
+        raise error("include-info", f"expected true or false, got {include_info!r}")
     baseline = table.get("baseline")
     if baseline is not None and not isinstance(baseline, str):
         raise error("baseline", f"expected a path, got {baseline!r}")
@@ -171,6 +178,7 @@ def parse(table: Any, source: str, prefix: str = "", base: str | None = None) ->
         baseline=os.path.join(base, os.path.expanduser(baseline)) if baseline else None,
         severity=MappingProxyType(levels),
         rules=MappingProxyType(_rule_settings(table.get("rules", {}), error)),
+        include_info=include_info,
         source=source,
     )
 
@@ -303,7 +311,8 @@ def policy(flags: Config | None = None, *, config: str | os.PathLike | None = No
         severity=merged.severity,
         settings=merged.rules,
     )
-    return Policy(options, merged.fail_on or DEFAULT_FAIL_ON, merged.baseline, applied)
+    return Policy(options, merged.fail_on or DEFAULT_FAIL_ON, merged.baseline, applied,
+                  include_info=bool(merged.include_info))
 
 
 def _label(layer: Config) -> str:

@@ -7,7 +7,9 @@ lists (every image, before the first bucket scan) unless `vae_cache_ondemand` or
 `<stem>.npz` beside it); OneTrainer for every image of an enabled concept (an entry in some
 `aggregate.pt`), unless it clears its cache at each start; ai-toolkit with
 `cache_latents_to_disk`, for every image (a `_latent_cache/<stem>_<hash>.safetensors` whose
-header names it; with a list of resolutions, one per distinct bucket they give the image). In a
+header names it; with a list of resolutions, one per distinct bucket they give the image;
+scanned without the job config, for every image whose folder holds a `_latent_cache/`, one per
+bucket that images of its size have). In a
 diffusion-pipe cache, it reports the shards that `metadata.db`'s items point at but that are
 missing (no `shard_<n>.bin`, or no `shard_<n>` offsets table).
 

@@ -16,11 +16,18 @@ size; its expected size is the crop size / 8 for the VAE families known to use f
 Caches beside the images are by design (no CD401). A `resolution` list makes one dataset per
 resolution (config_modules.py preprocess_dataset_raw_config), all caching into the same
 folders: each image then has one entry per distinct bucket (toolkit/buckets.py).
+
+Without a config (layouts/bare.py: an image folder holding `_latent_cache/`, a folder of them,
+or a `_latent_cache/` itself) the naming is the same with `bare`: the header's `filename` still
+pairs entries with images, an image needs an entry where its folder has a `_latent_cache/`, and
+the resolution list, which only the config holds, is read off the files: an image lacks a bucket
+that images of its size have (`same_size_gaps`), and the finding says the config would tell.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import os
@@ -141,12 +148,16 @@ def load(config: ConfigFile) -> Layout:
 class AIToolkitNaming(Naming):
     """ai-toolkit's `_latent_cache/<stem>_<hash>.safetensors` naming."""
 
-    root: str  # the dataset's folder_path; None-like "" for a bare cache
+    root: str  # the dataset's folder_path (a bare scan: the image folder or folder of them)
     expects_cache: bool = True
     buckets: Buckets | None = None  # the dataset's bucket settings (None for a bare cache)
     # multi-resolution datasets: image key -> the buckets ("WxH") of the resolutions whose entry
     # is missing, for images that have the entry of some other resolution
     incomplete: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
+    # no job config (layouts/bare.py): images need entries where their folder has a
+    # `_latent_cache`; a missing bucket is one that images of the same size have (`same_size_gaps`);
+    # each `_latent_cache` folder is a group of its own for the dataset rules
+    bare: bool = False
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(changes, self)
@@ -160,10 +171,17 @@ class AIToolkitNaming(Naming):
 
     def missing_text(self, image: str, cache_dir: str) -> str:
         missing = self.incomplete.get(self.key(image))
+        buckets = f"{' and '.join(missing)} bucket{'s' * (len(missing) > 1)}" if missing else ""
+        if missing and self.bare:
+            return (f"no {LATENT_DIR} entry for its {buckets}, though it has another bucket's "
+                    "and the images of the same size have one (a scan without the job config, "
+                    "which lists the resolutions: give it to be sure)")
         if missing:
-            return (f"no {LATENT_DIR} entry for its {' and '.join(missing)} bucket"
-                    f"{'s' * (len(missing) > 1)} (one resolution of the dataset's list), though "
-                    "it has another resolution's")
+            return (f"no {LATENT_DIR} entry for its {buckets} (one resolution of the dataset's "
+                    "list), though it has another resolution's")
+        if self.bare:
+            return (f"expected {self.expected_entry(image)} beside it, with its name in the "
+                    "header (one per resolution: which ones, only the job config says)")
         return f"expected {self.expected_entry(image)} beside it, with its name in the header"
 
     def key(self, image: str) -> str:
@@ -180,7 +198,21 @@ class _Directory(DirectoryNaming):
         parts = [] if rel == "." else rel.split(os.sep)
         # ai-toolkit skips hidden folders and _controls; cache folders hold no images
         self.skipped = any(p.startswith(".") or p in SKIPPED_DIRS or p == ".." for p in parts)
-        self.prefix = "" if rel == "." else rel + "/"
+        self.prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        self.expects = naming.expects_cache
+        self.keyed = True
+        if naming.bare:
+            # without the config, images need entries only where their folder has a cache, and
+            # a cache whose folder holds no image at all (copied away from its images) is judged
+            # file by file: its entries are no orphans of images it never had
+            self.expects = not self.in_latents and os.path.isdir(os.path.join(path, LATENT_DIR))
+            self.group = path if self.in_latents else None
+            if self.in_latents:
+                parent = os.path.dirname(path)
+                try:
+                    self.keyed = _holds_images(parent, os.stat(parent).st_mtime_ns)
+                except OSError:
+                    self.keyed = False
 
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.in_latents or self.skipped or name.startswith("."):
@@ -189,16 +221,30 @@ class _Directory(DirectoryNaming):
             return None
         key = self.prefix + name
         if key in self.naming.incomplete:  # one of its resolutions' entries is missing: CD404
-            return f"{key}@{','.join(self.naming.incomplete[key])}", self.naming.expects_cache
-        return key, self.naming.expects_cache
+            return f"{key}@{','.join(self.naming.incomplete[key])}", self.expects
+        return key, self.expects
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_latents or not name.endswith(".safetensors"):
             return CacheFacts()
         facts = header_facts(meta, self.prefix)
+        if not self.keyed:
+            return facts._replace(key=None)
         if facts.key in self.naming.incomplete:
             return facts._replace(key=None)  # its image is reported missing another entry
         return facts
+
+
+@functools.lru_cache(maxsize=256)
+def _holds_images(folder: str, _mtime_ns: int) -> bool:
+    """Whether `folder` holds an image ai-toolkit would cache (stops at the first). Per worker,
+    once per folder as it is (the mtime in the key): each batch of a big cache would ask again."""
+    try:
+        with os.scandir(folder) as found:
+            return any(e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith(".")
+                       for e in found)
+    except OSError:
+        return False
 
 
 def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:
@@ -318,6 +364,59 @@ def _incomplete(directory: str, buckets: Buckets) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def same_size_gaps(directory: str, recursive: bool = True) -> dict[str, tuple[str, ...]]:
+    """A bare scan's `incomplete` (no config, so no resolution list): image key -> the buckets
+    ("WxH") that images of the same size and latent space have an entry for and it has not, for
+    images with an entry of that latent space. ai-toolkit's bucket of an image follows from its
+    size and the dataset's settings only, so images of one size share their buckets. Reads the
+    headers only of folders where some stem has several entries (known from the names), and
+    image headers only of images with entries there."""
+    from cachedoctor import images
+
+    out: dict[str, tuple[str, ...]] = {}
+    for folder, dirs, names in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if recursive and not d.startswith(".")
+                         and d not in SKIPPED_DIRS)
+        latent_dir = os.path.join(folder, LATENT_DIR)
+        try:  # os.listdir: layouts' shared listings keep no .safetensors names
+            latents = sorted(n for n in os.listdir(latent_dir) if n.endswith(".safetensors"))
+        except OSError:  # none, or unreadable: the file rules say so
+            continue
+        stems = [m["stem"] for m in map(HASHED_NAME.match, latents) if m is not None]
+        if len(set(stems)) == len(stems):  # one entry per image: no resolution list to recover
+            continue
+        present: dict[tuple[str, str], set[tuple[int, int]]] = {}
+        for name in latents:
+            try:
+                info = read_path(os.path.join(latent_dir, name)).metadata
+                crop = (int(info["crop_width"]), int(info["crop_height"]))
+            except (KeyError, ValueError, OSError):  # the file rules judge it
+                continue
+            key = (str(info.get("filename")), str(info.get("latent_space_version")))
+            present.setdefault(key, set()).add(crop)
+        here = set(names)
+        sizes: dict[str, tuple[int, int]] = {}
+        shared: dict[tuple[tuple[int, int], str], set[tuple[int, int]]] = {}
+        for (name, family), crops in present.items():
+            if name not in here or not name.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            try:
+                size = sizes.get(name) or images.size(os.path.join(folder, name))
+            except (OSError, ValueError):
+                continue
+            sizes[name] = size
+            shared.setdefault((size, family), set()).update(crops)
+        rel = os.path.relpath(folder, directory)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        for (name, family), crops in sorted(present.items()):
+            if name in sizes:
+                missing = sorted(shared[(sizes[name], family)] - crops)
+                if missing:
+                    out[prefix + name] = tuple(dict.fromkeys(
+                        (*out.get(prefix + name, ()), *(f"{w}x{h}" for w, h in missing))))
+    return out
+
+
 # -- entries (fix --reencode) ------------------------------------------------------------------
 
 HASHED_NAME = re.compile(r"^(?P<stem>.+)_(?P<hash>[A-Za-z0-9_-]{22})\.safetensors$")
@@ -414,7 +513,7 @@ class _Entries(Entries):
         if self.buckets is not None and len(self.buckets.resolutions) > 1:
             template = self._resolution(image, size, latent_dir, replacing, template)
         elif template is None or not _fits(template.info, size):
-            template = self._same_size(latent_dir).get(size)
+            template = self._of_same_size(image, size, latent_dir, replacing)
         if template is None:
             raise NoSpec(f"no healthy entry of a {size[0]}x{size[1]} image beside it to take "
                          "ai-toolkit's bucket (scale and crop) from")
@@ -441,7 +540,7 @@ class _Entries(Entries):
         whose name's hash that resolution's info gives; a missing one, the first bucket the
         image has no entry for. The other values come from a healthy entry of the folder."""
         assert self.buckets is not None and self.naming is not None
-        base = template or next(iter(self._same_size(latent_dir).values()), None) \
+        base = template or next(iter(self._same_size(latent_dir).values()), (None,))[0] \
             or next(iter(self._any(latent_dir)), None)
         if base is None:
             raise NoSpec("no healthy entry beside it to take ai-toolkit's latent info from")
@@ -464,12 +563,33 @@ class _Entries(Entries):
         metadata = {**base.metadata, **{k: str(info[k]) for k in (*GEOMETRY, "filename")}}
         return _Template(info, metadata)
 
+    def _of_same_size(self, image: str, size: tuple[int, int], latent_dir: str,
+                      replacing: str | None) -> _Template | None:
+        """The template of a healthy entry of an image of the same size (ai-toolkit's scale and
+        crop follow from the size). Where such images have entries of several buckets (several
+        resolutions), a replaced entry's is the bucket whose info gives its name's hash, a
+        missing one's the bucket its image lacks (`AIToolkitNaming.incomplete`)."""
+        found = self._same_size(latent_dir).get(size, ())
+        if len(found) < 2:
+            return found[0] if found else None
+        name = os.path.basename(image)
+        if replacing is not None:
+            match = HASHED_NAME.match(os.path.basename(replacing))
+            hashed = [t for t in found if match is not None
+                      and latent_hash({**t.info, "filename": name}) == match["hash"]]
+            if not hashed:
+                raise NoSpec(f"images of its size have entries of {len(found)} buckets and none "
+                             "gives its name's hash: which one it was is not known")
+            return hashed[0]
+        missing = self.naming.incomplete.get(self.naming.key(image), ()) if self.naming else ()
+        return next((t for t in found if _bucket(t) in missing), found[0])
+
     def _any(self, latent_dir: str) -> list[_Template]:
         return self.once(("any", latent_dir), lambda: list(filter(None, (
             _template(m) for m in healthy(latent_dir, ".safetensors", self.unlike)))))
 
-    def _same_size(self, latent_dir: str) -> dict[tuple[int, int], _Template]:
-        """Image size -> the info of a healthy entry of an image of that size."""
+    def _same_size(self, latent_dir: str) -> dict[tuple[int, int], tuple[_Template, ...]]:
+        """Image size -> the info of a healthy entry of an image of that size, one per bucket."""
         return self.once(("sizes", latent_dir), lambda: _templates_by_size(latent_dir, self.unlike))
 
     def _format(self, latent_dir: str) -> tuple[str, int]:
@@ -481,11 +601,17 @@ class _Entries(Entries):
         return dtype, channels
 
 
-def _templates_by_size(latent_dir: str, unlike: frozenset[str]) -> dict[tuple[int, int], _Template]:
-    """(width, height) of an image -> a healthy entry's template that fits images of that size."""
+def _bucket(template: _Template) -> str:
+    return f"{template.info['crop_width']}x{template.info['crop_height']}"
+
+
+def _templates_by_size(latent_dir: str, unlike: frozenset[str]
+                       ) -> dict[tuple[int, int], tuple[_Template, ...]]:
+    """(width, height) of an image -> healthy entries' templates that fit images of that size,
+    the first of each bucket (crop size), in name order."""
     from cachedoctor import images
 
-    found: dict[tuple[int, int], _Template] = {}
+    found: dict[tuple[int, int], dict[str, _Template]] = {}
     for meta in healthy(latent_dir, ".safetensors", unlike):
         template = _template(meta)
         if template is None:
@@ -495,8 +621,8 @@ def _templates_by_size(latent_dir: str, unlike: frozenset[str]) -> dict[tuple[in
         except (OSError, ValueError):
             continue
         if _fits(template.info, size):
-            found.setdefault(size, template)
-    return found
+            found.setdefault(size, {}).setdefault(_bucket(template), template)
+    return {size: tuple(by_bucket.values()) for size, by_bucket in found.items()}
 
 
 def _latent_format(meta: FileMeta) -> tuple | None:

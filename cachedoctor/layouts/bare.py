@@ -8,8 +8,9 @@ or place shows a trainer's own layout, whose bucket semantics then apply:
   image's size, the bucket needs the dataset's settings); a directory that holds such files
   beside images, or a train_data_dir whose `<repeats>_<name>` sub-folders do, is an image dir
   with kohya's caches, where images belong;
-- an image folder holding `_latent_cache/` (ai-toolkit), or a folder of such image folders:
-  the images belong, the `_latent_cache` folders are its caches;
+- an image folder holding `_latent_cache/` (ai-toolkit), a folder of such image folders, or a
+  `_latent_cache/` itself: the images belong, the `_latent_cache` folders are its caches, and
+  their headers name the images, so coverage rules run (layouts/aitoolkit.py, `bare`);
 - `variation-<n>/<i>.pt` (OneTrainer): `crop_resolution` from the folder's `aggregate.pt`, or
   no bucket without one;
 - `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders);
@@ -66,11 +67,11 @@ def layout(path: str) -> Layout:
         dataset = Dataset(name, image_dirs=(path,), latent_cache_dir=path, text_cache_dir=path,
                           caches_beside_images=True, naming=BareNaming(frozen({})))
         return Layout("bare", None, (dataset,))
+    if isdir and os.path.basename(path) == aitoolkit.LATENT_DIR:
+        return _aitoolkit(path, os.path.dirname(path), (path,))
     latent_caches = _aitoolkit_caches(path) if isdir else []
     if latent_caches:
-        dataset = Dataset(name, cache_dirs=tuple(latent_caches), image_dirs=(path,),
-                          caches_beside_images=True, naming=BareNaming(frozen({}), path))
-        return Layout("bare", None, (dataset,))
+        return _aitoolkit(name, path, tuple(latent_caches))
     aggregates = _aggregates(path) if isdir else {}
     naming = BareNaming(frozen(aggregates), path)
     # OneTrainer saves from and loads to its train_device (mgds DiskCache: torch.save without
@@ -101,6 +102,21 @@ def _aitoolkit_caches(path: str) -> list[str]:
         return [os.path.join(path, aitoolkit.LATENT_DIR)]
     found = (os.path.join(path, sub, aitoolkit.LATENT_DIR) for sub in subdirs(path))
     return [cache for cache in found if os.path.isdir(cache)]
+
+
+def _aitoolkit(target: str, images: str, caches: tuple[str, ...]) -> Layout:
+    """An ai-toolkit image folder (or folder of them) with its `_latent_cache` folders, or one
+    `_latent_cache` (its image folder's images only, not the sub-folders' images): the
+    headers name the images, so coverage is counted as with the job config. The dataset is named
+    for the image folder, as its config's dataset is."""
+    only_cache = caches == (target,)
+    naming = aitoolkit.AIToolkitNaming(
+        images, bare=True, incomplete=frozen(aitoolkit.same_size_gaps(images, not only_cache)))
+    dataset = Dataset(os.path.basename(images.rstrip(os.sep)) or images, cache_dirs=caches,
+                      image_dirs=(images,), shallow_image_dirs=(images,) if only_cache else (),
+                      latent_cache_dir=caches[0] if len(caches) == 1 else None,
+                      caches_beside_images=True, naming=naming)
+    return Layout("bare", None, (dataset,))
 
 
 def _aggregates(path: str) -> dict[str, onetrainer.Samples]:

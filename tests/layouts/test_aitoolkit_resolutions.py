@@ -1,28 +1,21 @@
 """ai-toolkit datasets with a list of resolutions (`resolution: [128, 192]`, as its example
 configs): ai-toolkit splits such a dataset into one per resolution (config_modules.py
 preprocess_dataset_raw_config), all caching into one `_latent_cache`, so an image has one entry
-per distinct bucket. The geometry below is worked out by hand from toolkit/buckets.py
-get_bucket_for_image_size and BucketsMixin.setup_buckets (bucket_tolerance 64, centre crop)."""
+per distinct bucket. The geometry (BY_HAND) is worked out by hand from toolkit/buckets.py
+get_bucket_for_image_size and BucketsMixin.setup_buckets (bucket_tolerance 64, centre crop):
+in fixtures/projects/aitoolkit.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from cachedoctor.fixtures.projects import aitoolkit, encode, images
-from cachedoctor.layouts.aitoolkit import Buckets, bucket_for, latent_hash
+from cachedoctor.fixtures.projects import aitoolkit
+from cachedoctor.fixtures.projects.aitoolkit import BY_HAND
+from cachedoctor.layouts.aitoolkit import Buckets, bucket_for
 
 from conftest import by_code, codes, invoke, scan_paths
-
-# image (w, h) -> (scale_to_w, scale_to_h, crop_x, crop_y, crop_w, crop_h) at 128 and at 192
-BY_HAND = {
-    (128, 128): ((128, 128, 0, 0, 128, 128), (128, 128, 0, 0, 128, 128)),  # one bucket, one file
-    (192, 128): ((192, 128, 32, 0, 128, 128), (192, 128, 0, 0, 192, 128)),
-    (128, 192): ((128, 192, 0, 32, 128, 128), (128, 192, 0, 0, 128, 192)),
-}
 
 
 def test_buckets_follow_ai_toolkit() -> None:
@@ -36,32 +29,8 @@ def test_buckets_follow_ai_toolkit() -> None:
     assert Buckets((512,), square=True).geometry((1000, 600), 512) == (854, 512, 171, 0, 512, 512)
 
 
-def write_entry(folder: Path, image: Path, geometry: tuple, seed: int) -> Path:
-    """ai-toolkit's entry for `image` at one bucket: the info dict hashed into the name and kept
-    (as strings) in the header, as toolkit/dataloader_mixins.py and metadata.py write them."""
-    keys = ("scale_to_width", "scale_to_height", "crop_x", "crop_y", "crop_width", "crop_height")
-    info = {"filename": image.name, **dict(zip(keys, geometry, strict=True)),
-            "latent_space_version": "sdxl", "latent_version": 1}
-    metadata = {k: str(v) for k, v in info.items()}
-    metadata["software"] = json.dumps({"name": "ai-toolkit", "url": "https://github.com/ostris/ai-toolkit"})
-    metadata["format"] = "pt"
-    latent = encode(image, geometry[4], geometry[5], seed, dtype="bfloat16")
-    path = folder / "_latent_cache" / f"{image.stem}_{latent_hash(info)}.safetensors"
-    save_file({"latent": latent.contiguous()}, str(path), metadata=metadata)
-    return path
-
-
 def project(tmp_path: Path) -> tuple[Path, Path, dict[str, list[Path]]]:
-    built = aitoolkit.build(tmp_path / "ait")
-    folder = built.root / "datasets" / "person"
-    for old in (folder / "_latent_cache").iterdir():
-        old.unlink()
-    built.config.write_text(built.config.read_text().replace("resolution: [ 128 ]",
-                                                            "resolution: [ 128, 192 ]"))
-    entries = {}
-    for path, width, height, seed in images(folder):  # rewrites the same images
-        distinct = dict.fromkeys(BY_HAND[(width, height)])
-        entries[path.name] = [write_entry(folder, path, g, seed) for g in distinct]
+    built, folder, entries = aitoolkit.multi_resolution(tmp_path / "ait")
     return built.config, folder, entries
 
 
