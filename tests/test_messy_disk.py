@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cachedoctor.fixtures import corpus, device_tagged
+
 from conftest import by_code, codes, scan_paths
 
 
