@@ -18,9 +18,9 @@ resolution (config_modules.py preprocess_dataset_raw_config), all caching into t
 folders: each image then has one entry per distinct bucket (toolkit/buckets.py).
 
 Without a config (layouts/bare.py: an image folder holding `_latent_cache/`, a folder of them,
-or a `_latent_cache/` itself) the naming is the same with `bare`: the header's `filename` still
-pairs entries with images, an image needs an entry where its folder has a `_latent_cache/`, and
-the resolution list, which only the config holds, is read off the files: an image lacks a bucket
+or a `_latent_cache/` itself) the naming is the same with `bare`. The header's `filename` still
+pairs entries with images. An image needs an entry where its folder has a `_latent_cache/`. The
+resolution list, which only the config holds, is read off the files: an image lacks a bucket
 that images of its size have (`same_size_gaps`), and the finding says the config would tell.
 """
 
