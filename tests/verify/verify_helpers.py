@@ -105,3 +105,76 @@ def failing_encoder(image: torch.Tensor) -> torch.Tensor:
 def halving_encoder(image: torch.Tensor) -> torch.Tensor:
     """The reference encoder's latent halved: a module:callable encoder of another scale."""
     return TinyVAE(4, 0).encode(image[None], "float32")[0] / 2
+
+
+# -- caption embeddings (verify --text-encoder)
+
+
+def reference_text(caption: str, seed: int = 0, length: int | None = None) -> dict[str, torch.Tensor]:
+    """The reference text encoder's outputs for `caption` (hidden, penultimate, pooled)."""
+    from cachedoctor.verify.text_encoders import ReferenceTextEncoder
+
+    return ReferenceTextEncoder(seed).encode([caption], length)[0]
+
+
+def tokens(caption: str) -> int:
+    """How many tokens the reference encoder makes of a caption: musubi stores embeddings of
+    that length (varlen), unpadded."""
+    return len(caption.replace(",", " ,").split()) + 2
+
+
+def embed_kohya(project: Project, seed: int = 0) -> dict[Path, Path]:
+    """Every `<stem>_te_outputs.npz` written again as sd-scripts writes SDXL's: hidden_state1 the
+    first text encoder's penultimate layer (the one verified), hidden_state2 and pool2 the second's
+    (another model here). entry -> caption file."""
+    out = {}
+    for caption_file in sorted((project.root / "train" / kohya.DATASET).glob("*.txt")):
+        caption = caption_file.read_text().strip()
+        first, second = reference_text(caption, seed), reference_text(caption, 7)
+        entry = caption_file.with_name(f"{caption_file.stem}_te_outputs.npz")
+        np.savez(entry, hidden_state1=first["penultimate"].half().numpy(),
+                 hidden_state2=torch.cat([second["hidden"]] * 2, -1).half().numpy(),
+                 pool2=torch.cat([second["pooled"]] * 2).half().numpy())
+        out[entry] = caption_file
+    return out
+
+
+def embed_musubi(project: Project, seed: int = 0) -> dict[Path, str]:
+    """Every `<stem>_<arch>_te.safetensors` written again with the embedding of the caption it
+    records (`caption1`), unpadded (varlen), as cache_io writes it. entry -> caption."""
+    from cachedoctor.fixtures.projects.musubi import save_text
+
+    out = {}
+    for entry in sorted(project.root.rglob("*_te.safetensors")):
+        with safetensors.safe_open(entry, "pt") as f:
+            metadata = f.metadata()
+        caption = metadata["caption1"]
+        hidden = reference_text(caption, seed, tokens(caption))["hidden"]
+        save_text(entry, {"varlen_vl_embed_bfloat16": hidden.to(torch.bfloat16).contiguous()},
+                  metadata["architecture"], caption)
+        out[entry] = caption
+    return out
+
+
+def embed_simpletuner(project: Project, seed: int = 0) -> dict[Path, str]:
+    """Every caption's `<md5(caption)>-sdxl.pt` written again as SimpleTuner's SDXL does:
+    prompt_embeds the two encoders' penultimate states concatenated (the first verified),
+    pooled_prompt_embeds the second's. entry -> caption."""
+    out = {}
+    text_dir = project.root / "cache" / "text" / simpletuner.FAMILY
+    for caption_file in sorted((project.root / "datasets" / "photos").glob("*.txt")):
+        caption = caption_file.read_text().strip()
+        first, second = reference_text(caption, seed), reference_text(caption, 7)
+        entry = text_dir / simpletuner.text_name(caption)
+        torch.save({"prompt_embeds": torch.cat([first["penultimate"], second["hidden"]], -1)[None].half(),
+                    "pooled_prompt_embeds": second["pooled"].half()}, entry)
+        out[entry] = caption
+    return out
+
+
+TEXT_EMBEDDERS = {"kohya": embed_kohya, "musubi": embed_musubi, "simpletuner": embed_simpletuner}
+
+
+def failing_text_encoder(caption: str) -> torch.Tensor:
+    """A text encoder of the user's that raises (--text-encoder verify_helpers:failing_text_encoder)."""
+    raise RuntimeError("tokenizer exploded (pretend)")
