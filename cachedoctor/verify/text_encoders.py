@@ -140,7 +140,9 @@ class TransformersTextEncoder(TextEncoder):
         import torch
 
         self.prepare(self.device)
-        size = length or self.tokenizer.model_max_length
+        # a tokenizer saved without a limit reports a huge one: CLIP's 77 is the trainers' default
+        limit = self.tokenizer.model_max_length
+        size = length or (limit if limit <= 4096 else REFERENCE_LENGTH)
         tokens = self.tokenizer(list(captions), padding="max_length", max_length=size, truncation=True,
                                 return_tensors="pt")
         with torch.no_grad():

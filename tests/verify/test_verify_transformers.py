@@ -74,8 +74,9 @@ def cache_text(project, clip: Path) -> dict[Path, Path]:
     return out
 
 
-def verify(project, clip: Path):
-    return run(resolve([str(project.config)]), None, VerifyOptions(sample=SampleSize.parse("all")),
+def verify(project, clip: Path, device: str = "cpu"):
+    return run(resolve([str(project.config)]), None,
+               VerifyOptions(sample=SampleSize.parse("all"), device=device),
                text_encoder=resolve_text(f"transformers:{clip}"))
 
 
@@ -114,3 +115,14 @@ def test_a_pipeline_dirs_second_text_encoder_is_named_with_hash_2(clips, tmp_pat
     project = kohya.build(tmp_path / "kohya")
     cache_text(project, clips[0])
     assert not verify(project, f"{pipeline}#2").findings  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_same_on_cuda(clips, tmp_path: Path) -> None:
+    project = kohya.build(tmp_path / "kohya")
+    written = sorted(cache_text(project, clips[0]).items())
+    clean = verify(project, clips[0], device="cuda")
+    assert not clean.findings and clean.options.device == "cuda"
+    written[5][1].write_text("a dog in the snow\n")
+    assert [(f.code, f.path) for f in verify(project, clips[0], device="cuda").findings] == \
+        [("CD607", str(written[5][0]))]
