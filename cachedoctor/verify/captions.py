@@ -10,8 +10,14 @@
   raw caption, so an image's caption (its `.txt` file, or its file name) names its entry, and an
   entry found that way is of that caption for certain.
 
-OneTrainer's text variations and ai-toolkit's text cache are not paired (their caches do not
-say which caption a file embedded): such a dataset is reported with a note, not verified.
+- OneTrainer: `text/<group>/variation-0/<i>.pt` is the text of sample i, the image that
+  `image/<group>/variation-0/aggregate.pt` lists at index i (paired by number, as the scan pairs
+  them, when the cache holds one image and one text group); the caption is the image's `.txt`
+  (the concept's default prompt source, `sample`). A caption file of several lines is skipped:
+  OneTrainer draws one line per text variation.
+
+ai-toolkit's text cache is not paired (its files do not say which caption they embedded), nor
+OneTrainer's other variations and prompt sources: such a dataset is reported with a note.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ def text_entries(trainer: str, dataset: Dataset) -> list[TextEntry]:
         return _musubi(directory, dataset)
     if trainer == "simpletuner":
         return _simpletuner(directory, dataset)
+    if trainer == "onetrainer":
+        return _onetrainer(directory, dataset)
     raise NotPaired(f"cachedoctor does not know which caption each {trainer} text-embedding file "
                     "is of")
 
@@ -133,3 +141,32 @@ def _simpletuner(directory: str, dataset: Dataset) -> list[TextEntry]:
                     if entry not in found and os.path.isfile(entry):
                         found[entry] = TextEntry(entry, caption, source)
     return [found[k] for k in sorted(found)]
+
+
+def _onetrainer(directory: str, dataset: Dataset) -> list[TextEntry]:
+    aggregates = getattr(dataset.naming, "aggregates", None) or {}
+    images = [d for d in aggregates if os.path.basename(d) == "variation-0"]
+    texts = [os.path.join(directory, g, "variation-0") for g in _names(directory)
+             if os.path.isdir(os.path.join(directory, g, "variation-0"))]
+    if len(images) != 1 or len(texts) != 1:
+        raise NotPaired(f"the OneTrainer cache holds {len(images)} image and {len(texts)} text "
+                        "groups: cachedoctor pairs text samples with images only for one of each")
+    listed, text_dir = aggregates[images[0]], texts[0]
+    out = []
+    for name in _names(text_dir):
+        stem, extension = os.path.splitext(name)
+        if extension != ".pt" or not stem.isdigit():
+            continue
+        path = os.path.join(text_dir, name)
+        image = listed[int(stem)][0] if int(stem) < len(listed) else None
+        if image is None:
+            out.append(TextEntry(path, None, f"aggregate.pt lists no image at index {stem}"))
+            continue
+        caption_file = os.path.splitext(image)[0] + ".txt"
+        caption = read_caption(caption_file)
+        if caption is None or "\n" in caption:
+            why = "no caption file" if caption is None else "a caption file of several lines"
+            out.append(TextEntry(path, None, f"{why} {os.path.basename(caption_file)}"))
+            continue
+        out.append(TextEntry(path, caption, caption_file))
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from verify_helpers import TEXT_EMBEDDERS, digest
 
-from cachedoctor.fixtures.projects import kohya, musubi, onetrainer, simpletuner
+from cachedoctor.fixtures.projects import aitoolkit, kohya, musubi, onetrainer, simpletuner
 from cachedoctor.layouts import resolve
 from cachedoctor.verify import VerifyOptions, run
 from cachedoctor.verify.sample import SampleSize
@@ -21,7 +21,8 @@ from cachedoctor.verify.text_encoders import ReferenceTextEncoder
 
 from conftest import invoke
 
-BUILDERS = {"kohya": kohya.build, "musubi": musubi.build, "simpletuner": simpletuner.build}
+BUILDERS = {"kohya": kohya.build, "musubi": musubi.build, "simpletuner": simpletuner.build,
+            "onetrainer": onetrainer.build}
 ALL = SampleSize.parse("all")
 
 
@@ -119,11 +120,24 @@ def test_the_pairing_found_is_reported(tmp_path: Path) -> None:
     assert dataset.details["pairing"] == {"cached": "prompt_embeds", "output": "penultimate", "features": 32}
 
 
-def test_a_layout_without_caption_pairing_says_why(tmp_path: Path) -> None:
+def test_a_onetrainer_caption_edited_after_caching_is_cd607(tmp_path: Path) -> None:
+    """Text sample i is of the image aggregate.pt lists at i; its caption is that image's .txt."""
     project = onetrainer.build(tmp_path / "onetrainer")
+    entry, caption_file = sorted(TEXT_EMBEDDERS["onetrainer"](project).items())[6]
+    caption_file.write_text("a portrait in the rain\n")
+    report = verify_text(project, sample=ALL)
+    assert [(f.code, f.path) for f in report.findings] == [("CD607", str(entry))]
+
+
+def test_a_layout_without_caption_pairing_says_why(tmp_path: Path) -> None:
+    """ai-toolkit's text cache files do not say which caption they embedded."""
+    project = aitoolkit.build(tmp_path / "ai-toolkit")
+    text_cache = project.root / "datasets" / aitoolkit.DATASET / "_t_e_cache"
+    text_cache.mkdir()
+    (text_cache / "img_000_abc.safetensors").write_bytes(b"")
     report = verify_text(project)
     [dataset] = text_results(report)
-    assert not report.findings and "onetrainer" in dataset.note and not dataset.checked
+    assert not report.findings and "ai-toolkit" in dataset.note and not dataset.checked
 
 
 def test_the_cli_runs_the_text_half_alone_and_both(tmp_path: Path) -> None:

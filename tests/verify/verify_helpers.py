@@ -172,7 +172,32 @@ def embed_simpletuner(project: Project, seed: int = 0) -> dict[Path, str]:
     return out
 
 
-TEXT_EMBEDDERS = {"kohya": embed_kohya, "musubi": embed_musubi, "simpletuner": embed_simpletuner}
+def embed_onetrainer(project: Project, seed: int = 0) -> dict[Path, Path]:
+    """Every text sample `text/<group>/variation-0/<i>.pt` written again as OneTrainer's SDXL
+    does, for the image that the image group's aggregate.pt lists at i: tokens, the first
+    encoder's penultimate state (verified), the second's state and pooled vector; saved from
+    its train device. entry -> caption file."""
+    cache = project.root / "workspace-cache" / "run"
+    [image_dir] = (cache / "image").glob("*/variation-0")
+    [text_dir] = (cache / "text").glob("*/variation-0")
+    listed = torch.load(image_dir / "aggregate.pt", weights_only=True)
+    out = {}
+    for i, item in enumerate(listed):
+        caption_file = (project.root / item["image_path"]).with_suffix(".txt")
+        caption = caption_file.read_text().strip()
+        first, second = reference_text(caption, seed), reference_text(caption, 7)
+        sample = {"tokens_1": torch.arange(77), "text_encoder_1_hidden_state": first["penultimate"].half(),
+                  "tokens_2": torch.arange(77),
+                  "text_encoder_2_hidden_state": torch.cat([second["hidden"]] * 2, -1).half(),
+                  "text_encoder_2_pooled_state": torch.cat([second["pooled"]] * 2).half()}
+        with stored_as("cuda:0"):
+            torch.save(sample, text_dir / f"{i}.pt")
+        out[text_dir / f"{i}.pt"] = caption_file
+    return out
+
+
+TEXT_EMBEDDERS = {"kohya": embed_kohya, "musubi": embed_musubi, "simpletuner": embed_simpletuner,
+                  "onetrainer": embed_onetrainer}
 
 
 def failing_text_encoder(caption: str) -> torch.Tensor:
