@@ -298,7 +298,7 @@ def _judge(result: DatasetResult, encoder: TextEncoder, options: VerifyOptions,
     for c in off:
         c.verdict = caption_changed.RULE.code
         findings.append(caption_changed.RULE.finding(
-            c.entry, f"differs from an embedding of its caption {_short(c.caption)} ({c.source}; "
+            c.entry, f"differs from an embedding of its caption {_short(c.caption)} ({os.path.basename(c.source)}; "
             f"distance {c.close.distance:.2f}, cosine {c.close.cosine:.3f}): the caption changed "  # type: ignore[union-attr]
             "after this embedding was cached", ctx, caption=c.caption,
             distance=round(c.close.distance, 4), cosine=round(c.close.cosine, 4)))  # type: ignore[union-attr]
@@ -318,7 +318,7 @@ def _recorded(c: TextChecked, key: Pairing, encoder: TextEncoder, options: Verif
     c.verdict = caption_changed.RULE.code
     c.details.update(recorded=c.recorded)
     return caption_changed.RULE.finding(
-        c.entry, f"embeds {_short(c.recorded)}, the caption it records, but {c.source} now says "
+        c.entry, f"embeds {_short(c.recorded)}, the caption it records, but {os.path.basename(c.source)} now says "
         f"{_short(c.caption)} (distance {c.close.distance:.2f}): the caption changed after this "  # type: ignore[union-attr]
         "embedding was cached", RuleContext(dataset=c.dataset), caption=c.caption, recorded=c.recorded)
 
@@ -337,7 +337,7 @@ def _other_caption(c: TextChecked, compared: list[TextChecked], key: Pairing) ->
             c.details.update(matches=o.entry)
             return caption_changed.RULE.finding(
                 c.entry, f"embeds the caption of {os.path.basename(o.entry)} ({_short(o.caption)}), "
-                f"not its own {_short(c.caption)} ({c.source}): captions were swapped or renamed "
+                f"not its own {_short(c.caption)} ({os.path.basename(c.source)}): captions were swapped or renamed "
                 "after caching", RuleContext(dataset=c.dataset), caption=c.caption, matches=o.entry)
     return None
 
