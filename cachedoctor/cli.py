@@ -672,7 +672,10 @@ def demo(directory: Annotated[Path, typer.Argument(metavar="DIR", help="Where to
 @app.command()
 def verify(
     targets: Annotated[list[str], typer.Argument(help="Trainer configs or project folders.")],
-    encoder: Annotated[str, typer.Option(help="The trainer's VAE: diffusers:PATH | module:callable | reference.")],
+    encoder: Annotated[str | None, typer.Option(
+        help="The trainer's VAE: diffusers:PATH | module:callable | reference.")] = None,
+    text_encoder: Annotated[str | None, typer.Option(
+        help="The trainer's text encoder (caption embeddings): transformers:PATH | module:callable.")] = None,
     sample: Annotated[str, typer.Option(help="Entries per dataset: N, P% or all.")] = "64",
     device: Annotated[str, typer.Option(help="cpu | cuda (diffusers encoders).")] = "cpu",
     seed: Annotated[int, typer.Option(help="Seed of the sample: the same seed picks the same entries.")] = 0,
@@ -681,12 +684,14 @@ def verify(
     fail_on: Annotated[str, typer.Option(help="Exit 1 on findings at or above: error|warning|info|never.")] = "error",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
-    """Re-encode a sample of cached latents from their images and compare (reads only)."""
+    """Re-encode a sample of cached latents from their images (and caption embeddings from their
+    captions) and compare (reads only)."""
     from cachedoctor.verify.command import UsageError
     from cachedoctor.verify.command import verify as run_verify
 
     try:
-        code = run_verify(targets, encoder, sample, device, seed, batch_size, fmt, fail_on, quiet)
+        code = run_verify(targets, encoder, sample, device, seed, batch_size, fmt, fail_on, quiet,
+                          text_encoder)
     except UsageError as exc:
         raise fail(str(exc)) from None
     raise typer.Exit(code)

@@ -14,10 +14,12 @@ from __future__ import annotations
 from cachedoctor.checks import (
     bucket_shape_mismatch,
     cache_name_collision,
+    caption_changed,
     checker_error,
     checksum_mismatch,
     clear_each_epoch_multi_process,
     duplicate_dtype_variants,
+    embedded_by_another_text_encoder,
     empty_file,
     encoded_by_another_vae,
     flipped_latent,
@@ -96,6 +98,8 @@ RULES: dict[str, Rule] = {
         wrong_crop,
         paired_with_another_image,
         stale_latent,
+        caption_changed,
+        embedded_by_another_text_encoder,
     )
 }
 

@@ -6,7 +6,10 @@ since: the values are all well-formed. `verify` takes a reproducible random samp
 dataset's entries (sample.py), encodes their source images again with the trainer's own
 geometry as the layout describes it (the same `EntrySpec` that `fix --reencode` writes from,
 encode.py), compares the cached latent with the fresh one (compare.py) and names what went
-wrong with a CD6xx rule (diagnose.py). It reads the cache and the images; it never writes.
+wrong with a CD6xx rule (diagnose.py). With a text encoder it does the same for caption
+embeddings (text.py): each file paired with its caption as its trainer pairs them (captions.py),
+embedded again (text_encoders.py), CD607 and CD608. It reads the cache, the images and the
+captions; it never writes.
 """
 
 from cachedoctor.verify.run import VerifyOptions, VerifyReport, run

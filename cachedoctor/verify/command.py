@@ -13,9 +13,11 @@ class UsageError(Exception):
     """A bad option or target; str() is the one line to print."""
 
 
-def verify(targets: list[str], encoder: str, sample: str, device: str, seed: int, batch_size: int,
-           fmt: str, fail_on: str, quiet: bool) -> int:
+def verify(targets: list[str], encoder: str | None, sample: str, device: str, seed: int, batch_size: int,
+           fmt: str, fail_on: str, quiet: bool, text_encoder: str | None = None) -> int:
     """Run verify and print its report; the exit code (UsageError for bad options)."""
+    if encoder is None and text_encoder is None:
+        raise UsageError("give --encoder SPEC (latents), --text-encoder SPEC (caption embeddings), or both")
     if fmt not in ("text", "json"):
         raise UsageError(f"unknown --format {fmt!r}: expected text or json")
     if fail_on not in ("error", "warning", "info", "never"):
@@ -31,10 +33,12 @@ def verify(targets: list[str], encoder: str, sample: str, device: str, seed: int
     from cachedoctor.layouts import TargetError, resolve
     from cachedoctor.repair.encoders import EncoderError
     from cachedoctor.repair.encoders import resolve as resolve_encoder
+    from cachedoctor.verify.text_encoders import resolve as resolve_text_encoder
 
     try:
         layouts = resolve(targets)
-        chosen = resolve_encoder(encoder)
+        chosen = resolve_encoder(encoder) if encoder is not None else None
+        chosen_text = resolve_text_encoder(text_encoder) if text_encoder is not None else None
     except (TargetError, EncoderError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if device.startswith("cuda"):
@@ -50,7 +54,7 @@ def verify(targets: list[str], encoder: str, sample: str, device: str, seed: int
             print(line, file=sys.stderr, flush=True)
 
     try:
-        report = run(layouts, chosen, VerifyOptions(size, seed, device, batch_size), progress)
+        report = run(layouts, chosen, VerifyOptions(size, seed, device, batch_size), progress, chosen_text)
     except EncoderError as exc:
         raise UsageError(str(exc)) from None
     (write_json if fmt == "json" else write_text)(report, sys.stdout)

@@ -52,12 +52,22 @@ def cached_latent(path: str, fmt: EntryFormat) -> torch.Tensor:
     return value.float()
 
 
+def load_tensors(path: str) -> Any:
+    """A file's tensors, loaded by its name: safetensors, npz, else torch (gzip around it too)."""
+    container = "safetensors" if path.endswith(".safetensors") else "npz" if path.endswith(".npz") else "zip"
+    return _load_container(path, container)
+
+
 def _load(path: str, fmt: EntryFormat) -> Any:
-    if fmt.container == "safetensors":
+    return _load_container(path, fmt.container)
+
+
+def _load_container(path: str, container: str) -> Any:
+    if container == "safetensors":
         from safetensors.torch import load_file
 
         return load_file(path)
-    if fmt.container == "npz":
+    if container == "npz":
         import numpy as np
 
         with np.load(path, allow_pickle=False) as npz:

@@ -20,6 +20,8 @@ def as_json(report: VerifyReport) -> dict[str, Any]:
         "findings": [f.to_dict() for f in report.findings],
         "images_encoded": report.images, "encode_seconds": round(report.seconds, 3),
         "images_per_second": round(report.images_per_second, 2),
+        "text_encoder": report.text_encoder, "captions_embedded": report.captions,
+        "embed_seconds": round(report.text_seconds, 3),
     }
 
 
@@ -30,11 +32,14 @@ def write_json(report: VerifyReport, out: IO[str]) -> None:
 
 def write_text(report: VerifyReport, out: IO[str]) -> None:
     options = report.options
-    out.write(f"cachedoctor verify: encoder {report.encoder}, device {options.device}, "
+    encoders = ", ".join(f"{what} {spec}" for what, spec in (("encoder", report.encoder),
+                                                            ("text encoder", report.text_encoder)) if spec)
+    out.write(f"cachedoctor verify: {encoders}, device {options.device}, "
               f"sample {options.sample} per dataset, seed {options.seed}\n")
     for dataset in report.datasets:
         where = display_path(dataset.cache_dir, os.getcwd()) if dataset.cache_dir else ""
-        out.write(f"\n{dataset.id} ({dataset.trainer}) {where}\n")
+        what = f"{dataset.trainer}, caption embeddings" if dataset.kind == "text" else dataset.trainer
+        out.write(f"\n{dataset.id} ({what}) {where}\n")
         if dataset.note:
             out.write(f"  not verified: {dataset.note}\n")
             continue
@@ -56,6 +61,10 @@ def write_text(report: VerifyReport, out: IO[str]) -> None:
     for finding in report.findings:
         out.write(f"{finding.code} {finding.severity} {display_path(finding.path, os.getcwd())}\n"
                   f"      {finding.message}\n")
-    out.write(f"\n{len(report.findings)} finding{'s' * (len(report.findings) != 1)}; "
-              f"{report.images} images encoded in {report.seconds:.1f} s "
-              f"({report.images_per_second:.1f} images/s on {options.device})\n")
+    work = []
+    if report.encoder is not None:
+        work.append(f"{report.images} images encoded in {report.seconds:.1f} s "
+                    f"({report.images_per_second:.1f} images/s on {options.device})")
+    if report.text_encoder is not None:
+        work.append(f"{report.captions} captions embedded in {report.text_seconds:.1f} s")
+    out.write(f"\n{len(report.findings)} finding{'s' * (len(report.findings) != 1)}; {'; '.join(work)}\n")

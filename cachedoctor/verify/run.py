@@ -6,7 +6,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachedoctor.findings import Finding, Severity
@@ -17,10 +17,13 @@ from cachedoctor.repair.errors import RepairError
 from cachedoctor.verify.compare import closeness, unrelated_level
 from cachedoctor.verify.diagnose import Checked, judge
 from cachedoctor.verify.encode import Fresh, Unreadable, cached_latent, pixels_of
+from cachedoctor.verify.results import DatasetResult
 from cachedoctor.verify.sample import SampleSize, choose, latent_entries
+from cachedoctor.verify.text import Counter, run_text
 
 if TYPE_CHECKING:
     from cachedoctor.repair.encoders import Encoder
+    from cachedoctor.verify.text_encoders import TextEncoder
 
 
 DEFAULT_SAMPLE = SampleSize(count=64)  # entries per dataset
@@ -38,45 +41,16 @@ class VerifyOptions:
 
 
 @dataclass
-class DatasetResult:
-    id: str
-    trainer: str
-    cache_dir: str | None
-    entries: int = 0
-    checked: list[Checked] = field(default_factory=list)
-    note: str = ""  # why the dataset was not verified
-
-    @property
-    def compared(self) -> list[Checked]:
-        return [c for c in self.checked if c.close is not None]
-
-    def distribution(self) -> dict[str, dict[str, float]]:
-        """min, median, the bad tail (p95; p5 of cosine) and max of each metric over the compared
-        entries."""
-        out = {}
-        for metric in ("error", "cosine", "distance"):
-            values = sorted(getattr(c.close, metric) for c in self.compared)
-            if values:  # the bad tail: the 5th percentile of cosine, the 95th of the others
-                tail = ("p5", 0.05) if metric == "cosine" else ("p95", 0.95)
-                out[metric] = {"min": round(values[0], 5), "median": round(_quantile(values, 0.5), 5),
-                               tail[0]: round(_quantile(values, tail[1]), 5), "max": round(values[-1], 5)}
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "trainer": self.trainer, "cache_dir": self.cache_dir,
-                "entries": self.entries, "sampled": len(self.checked),
-                "compared": len(self.compared), **({"note": self.note} if self.note else {}),
-                "distribution": self.distribution(), "results": [c.as_dict() for c in self.checked]}
-
-
-@dataclass
 class VerifyReport:
-    encoder: str
+    encoder: str | None
     options: VerifyOptions
     datasets: list[DatasetResult]
     findings: list[Finding]
     images: int  # images encoded, the alternatives tried included
     seconds: float  # spent encoding
+    text_encoder: str | None = None
+    captions: int = 0  # captions embedded, the other captions each is scaled by included
+    text_seconds: float = 0.0
 
     @property
     def images_per_second(self) -> float:
@@ -89,21 +63,35 @@ class VerifyReport:
         return int(any(f.severity >= threshold for f in self.findings))
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
-def run(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
-        progress: Callable[[str], None] = lambda line: None) -> VerifyReport:
-    """Verify a sample of every dataset's latents; reads caches and images, writes nothing."""
+def run(layouts: Sequence[Layout], encoder: Encoder | None, options: VerifyOptions,
+        progress: Callable[[str], None] = lambda line: None,
+        text_encoder: TextEncoder | None = None) -> VerifyReport:
+    """Verify a sample of every dataset's latents (with `encoder`) and caption embeddings (with
+    `text_encoder`); reads caches, images and captions, writes nothing."""
     spent = [0.0, 0]
+    results: list[DatasetResult] = []
+    findings: list[Finding] = []
+    if encoder is not None:
+        _latents(layouts, encoder, options, progress, spent, results, findings)
+    counter = Counter()
+    if text_encoder is not None:
+        text_encoder.prepare(options.device)
+        text_results, text_findings = run_text(layouts, text_encoder, options, progress, counter)
+        results.extend(text_results)
+        findings.extend(text_findings)
+    findings.sort(key=lambda f: f.sort_key)
+    return VerifyReport(encoder.spec if encoder else None, options, results, findings, spent[1], spent[0],
+                        text_encoder.spec if text_encoder else None, counter.captions, counter.seconds)
 
+
+def _latents(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
+             progress: Callable[[str], None], spent: list, results: list[DatasetResult],
+             findings: list[Finding]) -> None:
     def counted(n: int) -> None:
         spent[1] += n
 
     fresh = Fresh(encoder, options.device, options.batch_size, counted)
     fresh.prepare()
-    results, findings = [], []
     for layout in layouts:
         for dataset in layout.datasets:
             where = dataset.latent_cache_dir or (dataset.cache_dirs[0] if layout.trainer == "bare"
@@ -113,8 +101,6 @@ def run(layouts: Sequence[Layout], encoder: Encoder, options: VerifyOptions,
             result, entries = _dataset(layout.trainer, dataset, where, fresh, options, spent, progress)
             results.append(result)
             findings.extend(_judge(result, entries, fresh, spent))
-    findings.sort(key=lambda f: f.sort_key)
-    return VerifyReport(encoder.spec, options, results, findings, spent[1], spent[0])
 
 
 def _timed(spent: list, call: Callable[..., Any], *args: Any) -> Any:

@@ -269,3 +269,57 @@ def test_a_simpletuner_latent_of_another_crop_is_cd604(tmp_path: Path) -> None:
     report = verify(project, sample=SampleSize.parse("all"))
     assert codes_of(report) == {"CD604": [str(entry)]}
     assert report.findings[0].details["crop"] == (0, 0)
+
+
+def test_a_onetrainer_latent_of_another_crop_is_cd604(tmp_path: Path) -> None:
+    """OneTrainer scales an image to cover the sample's crop_resolution in aggregate.pt and crops
+    the centre: a 160x128 image of a 128x128 sample is cropped at x=16. The cached latent is of
+    the crop at the left edge (crop jitter, or a crop_resolution changed since)."""
+    from cachedoctor.fixtures.images import encode_png
+
+    project = BUILDERS["onetrainer"](tmp_path / "onetrainer")
+    entry, image = next((e, i) for e, i in sorted(pairs(project).items()) if i.name == "img_000.png")
+    wide = pixels(160, 128, 5)
+    image.write_bytes(encode_png(wide))
+    left = torch.from_numpy(wide[:, :128]).permute(2, 0, 1)
+    rewrite(entry, lambda _: ReferenceEncoder().encode(left, 4))
+    report = verify(project, sample=SampleSize.parse("all"))
+    assert codes_of(report) == {"CD604": [str(entry)]}
+    [finding] = report.findings
+    assert finding.details["crop"] == (0, 0) and finding.details["expected_crop"] == (16, 0)
+
+
+def test_an_aitoolkit_latent_of_another_crop_is_cd604(tmp_path: Path) -> None:
+    """ai-toolkit's entry header says: scale to 160x128, crop 128x128 at x=16 (its centre crop);
+    the latent stored is of the crop at the left edge."""
+    from safetensors.torch import save_file
+
+    from cachedoctor.fixtures.images import encode_png
+    from cachedoctor.layouts.aitoolkit import latent_hash
+
+    project = BUILDERS["ai-toolkit"](tmp_path / "ai-toolkit")
+    old, image = next((e, i) for e, i in sorted(pairs(project).items()) if i.name == "img_000.png")
+    wide = pixels(160, 128, 5)
+    image.write_bytes(encode_png(wide))
+    with safetensors_open(old) as f:
+        metadata = f.metadata()
+    info = {"filename": image.name, "scale_to_width": 160, "scale_to_height": 128, "crop_x": 16,
+            "crop_y": 0, "crop_width": 128, "crop_height": 128,
+            "latent_space_version": metadata["latent_space_version"],
+            "latent_version": int(metadata["latent_version"])}
+    old.unlink()
+    entry = old.parent / f"{image.stem}_{latent_hash(info)}.safetensors"
+    left = torch.from_numpy(wide[:, :128]).permute(2, 0, 1)
+    latent = ReferenceEncoder().encode(left, 4).to(torch.bfloat16).contiguous()
+    save_file({"latent": latent}, str(entry),
+              metadata={**metadata, **{k: str(v) for k, v in info.items()}})
+    report = verify(project, sample=SampleSize.parse("all"))
+    assert codes_of(report) == {"CD604": [str(entry)]}
+    [finding] = report.findings
+    assert finding.details["crop"] == (0, 0) and finding.details["expected_crop"] == (16, 0)
+
+
+def safetensors_open(path: Path):
+    import safetensors
+
+    return safetensors.safe_open(str(path), "pt")

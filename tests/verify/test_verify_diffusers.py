@@ -107,3 +107,28 @@ def test_the_same_on_cuda(vaes, tmp_path: Path) -> None:
     assert clean.datasets[0].distribution()["distance"]["max"] < 0.05  # GPU kernels differ a little
     cache_with(project, vaes[1], scale=0.13025)
     assert [f.code for f in verify(project, vaes[0], device="cuda").findings] == ["CD601"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cli_on_cuda_names_a_planted_defect(vaes, tmp_path: Path) -> None:
+    """What the README tells a GPU host to run: `verify CONFIG --encoder diffusers:PATH --device
+    cuda`; a mirrored entry among clean ones is CD603 there too."""
+    import json
+
+    from verify_helpers import pairs
+
+    from conftest import invoke
+
+    project = kohya.build(tmp_path / "kohya")
+    cache_with(project, vaes[0])
+    entry, image = sorted(pairs(project).items())[4]
+    vae = autoencoder_kl().from_pretrained(vaes[0]).eval()
+    with torch.no_grad():
+        x = load(str(image)).flip(-1).float()[None] / 127.5 - 1.0
+        mirrored = vae.encode(x).latent_dist.mean[0]
+    rewrite(entry, lambda _: mirrored)
+    result = invoke("verify", str(project.config), "--encoder", f"diffusers:{vaes[0]}", "--device", "cuda",
+                    "--sample", "all", "--batch-size", "4", "--format", "json", "-q")
+    data = json.loads(result.stdout)
+    assert data["device"] == "cuda" and data["images_per_second"] > 0
+    assert [(f["code"], f["path"]) for f in data["findings"]] == [("CD603", str(entry))]

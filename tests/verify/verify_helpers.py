@@ -105,3 +105,101 @@ def failing_encoder(image: torch.Tensor) -> torch.Tensor:
 def halving_encoder(image: torch.Tensor) -> torch.Tensor:
     """The reference encoder's latent halved: a module:callable encoder of another scale."""
     return TinyVAE(4, 0).encode(image[None], "float32")[0] / 2
+
+
+# -- caption embeddings (verify --text-encoder)
+
+
+def reference_text(caption: str, seed: int = 0, length: int | None = None) -> dict[str, torch.Tensor]:
+    """The reference text encoder's outputs for `caption` (hidden, penultimate, pooled)."""
+    from cachedoctor.verify.text_encoders import ReferenceTextEncoder
+
+    return ReferenceTextEncoder(seed).encode([caption], length)[0]
+
+
+def tokens(caption: str) -> int:
+    """How many tokens the reference encoder makes of a caption: musubi stores embeddings of
+    that length (varlen), unpadded."""
+    return len(caption.replace(",", " ,").split()) + 2
+
+
+def embed_kohya(project: Project, seed: int = 0) -> dict[Path, Path]:
+    """Every `<stem>_te_outputs.npz` written again as sd-scripts writes SDXL's: hidden_state1 the
+    first text encoder's penultimate layer (the one verified), hidden_state2 and pool2 the second's
+    (another model here). entry -> caption file."""
+    out = {}
+    for caption_file in sorted((project.root / "train" / kohya.DATASET).glob("*.txt")):
+        caption = caption_file.read_text().strip()
+        first, second = reference_text(caption, seed), reference_text(caption, 7)
+        entry = caption_file.with_name(f"{caption_file.stem}_te_outputs.npz")
+        np.savez(entry, hidden_state1=first["penultimate"].half().numpy(),
+                 hidden_state2=torch.cat([second["hidden"]] * 2, -1).half().numpy(),
+                 pool2=torch.cat([second["pooled"]] * 2).half().numpy())
+        out[entry] = caption_file
+    return out
+
+
+def embed_musubi(project: Project, seed: int = 0) -> dict[Path, str]:
+    """Every `<stem>_<arch>_te.safetensors` written again with the embedding of the caption it
+    records (`caption1`), unpadded (varlen), as cache_io writes it. entry -> caption."""
+    from cachedoctor.fixtures.projects.musubi import save_text
+
+    out = {}
+    for entry in sorted(project.root.rglob("*_te.safetensors")):
+        with safetensors.safe_open(entry, "pt") as f:
+            metadata = f.metadata()
+        caption = metadata["caption1"]
+        hidden = reference_text(caption, seed, tokens(caption))["hidden"]
+        save_text(entry, {"varlen_vl_embed_bfloat16": hidden.to(torch.bfloat16).contiguous()},
+                  metadata["architecture"], caption)
+        out[entry] = caption
+    return out
+
+
+def embed_simpletuner(project: Project, seed: int = 0) -> dict[Path, str]:
+    """Every caption's `<md5(caption)>-sdxl.pt` written again as SimpleTuner's SDXL does:
+    prompt_embeds the two encoders' penultimate states concatenated (the first verified),
+    pooled_prompt_embeds the second's. entry -> caption."""
+    out = {}
+    text_dir = project.root / "cache" / "text" / simpletuner.FAMILY
+    for caption_file in sorted((project.root / "datasets" / "photos").glob("*.txt")):
+        caption = caption_file.read_text().strip()
+        first, second = reference_text(caption, seed), reference_text(caption, 7)
+        entry = text_dir / simpletuner.text_name(caption)
+        torch.save({"prompt_embeds": torch.cat([first["penultimate"], second["hidden"]], -1)[None].half(),
+                    "pooled_prompt_embeds": second["pooled"].half()}, entry)
+        out[entry] = caption
+    return out
+
+
+def embed_onetrainer(project: Project, seed: int = 0) -> dict[Path, Path]:
+    """Every text sample `text/<group>/variation-0/<i>.pt` written again as OneTrainer's SDXL
+    does, for the image that the image group's aggregate.pt lists at i: tokens, the first
+    encoder's penultimate state (verified), the second's state and pooled vector; saved from
+    its train device. entry -> caption file."""
+    cache = project.root / "workspace-cache" / "run"
+    [image_dir] = (cache / "image").glob("*/variation-0")
+    [text_dir] = (cache / "text").glob("*/variation-0")
+    listed = torch.load(image_dir / "aggregate.pt", weights_only=True)
+    out = {}
+    for i, item in enumerate(listed):
+        caption_file = (project.root / item["image_path"]).with_suffix(".txt")
+        caption = caption_file.read_text().strip()
+        first, second = reference_text(caption, seed), reference_text(caption, 7)
+        sample = {"tokens_1": torch.arange(77), "text_encoder_1_hidden_state": first["penultimate"].half(),
+                  "tokens_2": torch.arange(77),
+                  "text_encoder_2_hidden_state": torch.cat([second["hidden"]] * 2, -1).half(),
+                  "text_encoder_2_pooled_state": torch.cat([second["pooled"]] * 2).half()}
+        with stored_as("cuda:0"):
+            torch.save(sample, text_dir / f"{i}.pt")
+        out[text_dir / f"{i}.pt"] = caption_file
+    return out
+
+
+TEXT_EMBEDDERS = {"kohya": embed_kohya, "musubi": embed_musubi, "simpletuner": embed_simpletuner,
+                  "onetrainer": embed_onetrainer}
+
+
+def failing_text_encoder(caption: str) -> torch.Tensor:
+    """A text encoder of the user's that raises (--text-encoder verify_helpers:failing_text_encoder)."""
+    raise RuntimeError("tokenizer exploded (pretend)")
