@@ -31,7 +31,6 @@ bit-identical.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterator
 
@@ -39,8 +38,9 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import ANY_DEVICE
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import keep
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 from cachedoctor.units import count
 
 MAX_LISTED = 1000
@@ -62,24 +62,36 @@ def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     return RULE.finding(meta.path, f"tensors on different devices: {text}", ctx, locations=where)
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    if _mapped(ctx):
-        return
+def _counts(view: DatasetView) -> Counter[str]:
     counts: Counter[str] = Counter()
     for g, n in view.tally().items():
         if len(g.locations) == 1:  # a file mixed within itself is reported by check_file
             counts[g.locations[0]] += n
+    return counts
+
+
+def _off_cpu(s: FileSummary) -> bool:
+    return len(s.locations) == 1 and s.locations[0] != "cpu"
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The first MAX_LISTED files (by path) saved off the CPU."""
+    if _mapped(ctx) or len(_counts(view)) < 2:
+        return None
+    return lambda s: ((), MAX_LISTED) if _off_cpu(s) else None
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    if _mapped(ctx):
+        return
+    counts = _counts(view)
     if len(counts) < 2:
         return
-    off_cpu = []  # what the fix rewrites
-    folders = set()
+    off_cpu: list[str] = []  # what the fix rewrites
     for s in view:
-        if len(s.locations) != 1:
-            continue
-        folders.add(os.path.dirname(s.path))
-        if s.locations[0] != "cpu" and len(off_cpu) < MAX_LISTED:
-            off_cpu.append(s.path)
-    common = os.path.commonpath(sorted(folders))
+        if _off_cpu(s):
+            keep(off_cpu, s.path, MAX_LISTED)
+    common = view.common_folder(lambda g: len(g.locations) == 1)
     text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts.most_common())
     yield RULE.finding(common, f"files saved from different devices: {text}", ctx,
                        locations=dict(counts), files=off_cpu)
@@ -94,4 +106,5 @@ RULE = Rule(
     fix=FixKind.TO_CPU,
     check_file=check_file,
     check_dataset=check_dataset,
+    select=select,
 )
