@@ -7,12 +7,16 @@ Then, each in a fresh process that has imported torch.distributed:
   - W ranks (default 4) of one gloo group run `cachedoctor.preflight` over the whole tree;
   - the baseline: one process scans a quarter of the tree (N / W files, the same folders'
     kind) with `cachedoctor.preflight` and no process group.
-Reports each rank's peak RSS against the baseline's (target: <= 1.5x), the bytes each rank's
+`--layout simpletuner`: instead a SimpleTuner project (tests' fixture, scaled) of N/2 images,
+every one listed in its bucket file, and their N/2 VAE cache entries (hard links), so the
+coverage sketch of every image and entry is reduced too; the baseline is the same project with
+N/W files. Reports each rank's peak RSS against the baseline's (target: <= 1.5x), the bytes each rank's
 reduce gathered (target: < 5 MB; each rank gathers every rank's aggregates, so it counts the
 others' bytes as well as its own), and the findings both found. Every rank runs one reader
 process (`jobs=1`), as does the baseline.
 
-    python benchmarks/sharded_preflight.py [--files N] [--world W] [--unique U] [--dir DIR] [--keep]
+    python benchmarks/sharded_preflight.py [--files N] [--world W] [--unique U]
+                                           [--layout bare|simpletuner] [--dir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -55,6 +59,38 @@ def build(root: str, n: int, unique: int) -> None:
                 continue
             last = i % PER_DIR == PER_DIR - 1 and (i // PER_DIR) % ODD_EVERY == 0
             os.link(odd if last else sources[i % unique], path)
+
+
+def build_simpletuner(root: str, n: int) -> str:
+    """A healthy SimpleTuner project with n images and their n cache entries; its config."""
+    from pathlib import Path
+
+    from cachedoctor.fixtures.projects import simpletuner
+
+    project = simpletuner.build(Path(root))
+    photos = Path(root) / "datasets" / "photos"
+    indices_file = photos / "aspect_ratio_bucket_indices_photos.json"
+    metadata_file = photos / "aspect_ratio_bucket_metadata_photos.json"
+    indices, metadata = json.loads(indices_file.read_text()), json.loads(metadata_file.read_text())
+    cache = Path(root) / "output" / "models" / "cache" / "vae" / simpletuner.FAMILY / "photos"
+    # every image of the project with its entry: new names link to them in turn (a file may
+    # have at most 65,000 names on ext4)
+    originals = [(bucket, image, cache / simpletuner.vae_name(Path(image)))
+                 for bucket, images in indices["aspect_ratio_bucket_indices"].items()
+                 for image in images]
+    for i in range(max(0, n - len(originals))):
+        bucket, image, entry = originals[i % len(originals)]
+        name = photos / f"more_{i:07d}.png"
+        os.link(image, name)
+        os.link(entry, cache / simpletuner.vae_name(name))
+        indices["aspect_ratio_bucket_indices"][bucket].append(str(name))
+        metadata[str(name)] = metadata[image]
+    mtime = min(os.stat(image).st_mtime for _, image, _ in originals)
+    indices_file.write_text(json.dumps(indices))
+    metadata_file.write_text(json.dumps(metadata))
+    os.utime(indices_file, (mtime, mtime))  # as old as the images
+    os.utime(metadata_file, (mtime, mtime))
+    return str(project.config)
 
 
 def _peak_mb() -> float:
@@ -103,6 +139,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=200_000)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--unique", type=int, default=2_000)
+    parser.add_argument("--layout", choices=("bare", "simpletuner"), default="bare")
     parser.add_argument("--dir")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--rank", type=int)
@@ -117,11 +154,16 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="cachedoctor-sharded-")
     try:
         started = time.perf_counter()
-        build(root, args.files, min(args.unique, args.files))
+        if args.layout == "simpletuner":
+            whole = build_simpletuner(os.path.join(root, "all"), args.files // 2)
+            quarter = build_simpletuner(os.path.join(root, "quarter"), args.files // 2 // WORLD)
+        else:
+            build(root, args.files, min(args.unique, args.files))
+            whole, quarter = os.path.join(root, "all"), os.path.join(root, "quarter")
         print(f"built {args.files:,} files (+ {args.files // WORLD:,} for the baseline) in "
               f"{time.perf_counter() - started:.0f} s under {root}")
-        [baseline] = _run(1, os.path.join(root, "quarter"), root, "baseline")
-        ranks = _run(WORLD, os.path.join(root, "all"), root, "ranks")
+        [baseline] = _run(1, quarter, root, "baseline")
+        ranks = _run(WORLD, whole, root, "ranks")
         print(f"baseline: one process, {baseline['files']:,} files: peak RSS "
               f"{baseline['peak_mb']:.0f} MB, {baseline['seconds']:.1f} s, "
               f"{baseline['findings']} findings {baseline['codes']}")
@@ -133,7 +175,7 @@ def main() -> None:
                   f"{r['findings']} findings {r['codes']}")
         worst = max(r["peak_mb"] for r in ranks) / baseline["peak_mb"]
         most = max(r["exchanged"] for r in ranks)
-        expected = len(range(0, args.files // PER_DIR, ODD_EVERY))
+        expected = len(range(0, args.files // PER_DIR, ODD_EVERY)) if args.layout == "bare" else 0
         print(f"worst rank: {worst:.2f}x the baseline's peak RSS; most gathered: "
               f"{most / 1e6:.3f} MB; CD301 findings expected {expected}, every rank "
               f"{'agrees' if len({json.dumps(r['codes']) + str(r['findings']) for r in ranks}) == 1 else 'DISAGREES'}")
