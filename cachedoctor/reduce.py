@@ -142,10 +142,15 @@ def merge_all(parts: Iterable[Mapping[str, DatasetAggregate]]) -> dict[str, Data
     return merged
 
 
-def _listed(datasets: Mapping[str, Dataset]) -> dict[str, dict[str, int]]:
-    """Per dataset, its listed images' bit numbers (their sorted order: the same on every rank)."""
-    return {key: {path: i for i, path in enumerate(sorted(d.listed_images))}
-            for key, d in datasets.items() if d.listed_images}
+def _listed(datasets: Mapping[str, Dataset]) -> dict[str, list[str]]:
+    """Per dataset, its listed images in sorted order: the bit number of an image is its place
+    here, the same on every rank."""
+    return {key: sorted(d.listed_images) for key, d in datasets.items() if d.listed_images}
+
+
+def _bit(listed: list[str], path: str) -> int | None:
+    i = bisect.bisect_left(listed, path)
+    return i if i < len(listed) and listed[i] == path else None
 
 
 def aggregate(store: SummaryStore, datasets: Mapping[str, Dataset]) -> dict[str, DatasetAggregate]:
@@ -162,15 +167,21 @@ def aggregate(store: SummaryStore, datasets: Mapping[str, Dataset]) -> dict[str,
             if s.family is not None:
                 found.folders[(folder, group)] += 1
     listed = _listed(datasets)
+    bitsets = {dataset: bytearray((len(names) + 7) // 8) for dataset, names in listed.items()}
     for row in store.coverage_rows():
         if row.side == LISTED_SIDE:
             continue  # every rank knows the listing: the bitset says which were found
         found = out.setdefault(row.dataset, DatasetAggregate())
-        bits = listed.get(row.dataset)
-        if bits is not None and row.side == IMAGE_SIDE and row.path in bits:
-            found.listed |= 1 << bits[row.path]
+        names = listed.get(row.dataset)
+        if names is not None and row.side == IMAGE_SIDE:
+            bit = _bit(names, row.path)
+            if bit is not None:
+                bitsets[row.dataset][bit >> 3] |= 1 << (bit & 7)
         if row.key is not None:
             found.add_row(row)
+    for dataset, bits in bitsets.items():
+        if dataset in out:
+            out[dataset].listed = int.from_bytes(bits, "little")
     return out
 
 
@@ -209,10 +220,12 @@ class ReducedStore:
                 self._files.setdefault(dataset, {}).update((row[0], row) for row in files)
                 self._store.add_coverage([CoverageRow(*row) for row in rows])
         listed = _listed(datasets)
-        for dataset, bits in listed.items():
-            found = merged[dataset].listed if dataset in merged else 0
+        for dataset, names in listed.items():
+            found = (merged[dataset].listed if dataset in merged else 0).to_bytes(
+                (len(names) + 7) // 8, "little")
             self._store.add_coverage([CoverageRow(dataset, LISTED_SIDE, None, path, 0.0, 0, None)
-                                      for path, i in bits.items() if not found >> i & 1])
+                                      for i, path in enumerate(names)
+                                      if not found[i >> 3] >> (i & 7) & 1])
         self._datasets = sorted(set(merged) | set(listed))
 
     def datasets(self) -> list[str]:
