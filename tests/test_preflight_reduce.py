@@ -59,7 +59,8 @@ def trees(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("reduce")
     built = {
         "bare": str(_bare(root)),
-        "simpletuner": str(simpletuner.build(root / "st", ["CD301", "CD404", "CD405", "CD406",
+        "simpletuner": str(simpletuner.build(root / "st", ["CD301", "CD404", "CD405",
+                                                           "CD405-bucket", "CD406",
                                                            "CD407"]).config),
         "kohya": str(kohya.build(root / "kohya", ["CD303", "CD404", "CD405", "CD406"]).config),
         "musubi": str(musubi.build(root / "musubi", ["CD309", "CD411", "CD404"]).config),
@@ -107,6 +108,8 @@ def test_ranks_find_what_one_process_finds(trees, local, world, tmp_path) -> Non
                 "musubi": {"CD309", "CD411", "CD404"}}
     for name, codes in expected.items():  # the trees hold what they were built to
         assert codes <= {code for code, *_ in local[name]}, (name, local[name])
+    # the bucket file lists an image no rank found (the listed-images bitset)
+    assert any(code == "CD405" and path.endswith(".json") for code, path, *_ in local["simpletuner"])
     for rank in ranks:
         for name, seen in zip(names, rank, strict=True):
             assert seen["findings"] == local[name], name
