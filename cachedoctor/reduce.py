@@ -23,7 +23,8 @@ newest image and the oldest entry. A bucket whose images all expect an entry and
 one with the entries by key (same count, same hash sums) and whose images are no newer than
 its entries holds no missing entry, orphan, stale entry or collision: only the rows of the
 other buckets (every row of their keys) travel. One case passes for clean: a key two images and
-two entries share (a collision whose entry was also written twice).
+two entries share (a collision where the trainer wrote one image's entry at two sizes, possible
+in kohya's and musubi-tuner's naming, not SimpleTuner's: there an entry's name is its key).
 """
 
 from __future__ import annotations
