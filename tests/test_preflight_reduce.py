@@ -205,3 +205,25 @@ def test_one_rank_group_exchanges_on_its_backend_device(trees, local, backend, t
     base = trees["bare"]
     assert sorted([f.code, f.path, f.message, fingerprint(f, base)]
                   for f in report.findings) == local["bare"]
+
+
+def test_the_common_folder_of_merged_spans_is_every_folders() -> None:
+    import random
+
+    from cachedoctor.summary import common_folder, widen
+
+    rng = random.Random(7)
+    names = ["a", "a-b", "a b", "b", "ab"]
+    for _ in range(200):
+        folders = ["/r/" + "/".join(rng.choice(names) for _ in range(rng.randint(0, 3)))
+                   for _ in range(rng.randint(1, 6))]
+        folders = [f.rstrip("/") for f in folders]
+        parts: list[dict] = [{}, {}]
+        for folder in folders:
+            widen(parts[rng.randint(0, 1)], "g", folder)
+        merged: dict = {}
+        for part in parts:
+            for low, high in part.values():
+                widen(merged, "g", low)
+                widen(merged, "g", high)
+        assert common_folder(merged.values()) == os.path.commonpath(folders), folders
