@@ -35,7 +35,7 @@ import os
 import pickle
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -200,7 +200,7 @@ class ReducedView(DatasetView):
         self._files = sorted(files, key=lambda row: row[0])
         self._entries = merged.entries
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[FileSummary]:
         for row in self._files:
             yield FileSummary(*row)
 
