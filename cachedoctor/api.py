@@ -131,8 +131,9 @@ def preflight(targets: Targets, fail_on: FailOn | str | None = None, *, group: A
     (default: the config file's `fail-on`, else "error"); return the Report otherwise.
 
     Under an initialised torch.distributed process group (`group`, default the whole world)
-    every rank checks its share of the files; the findings and per-file summaries are gathered,
-    so dataset rules see every file, and every rank returns, or raises, the same.
+    every rank checks its share of the files; the findings and per-dataset aggregates of the
+    files are reduced (reduce.py), so dataset rules judge every file, and every rank returns,
+    or raises, the same.
     """
     dist = _distributed(group)
     if dist is None:
@@ -175,41 +176,63 @@ def _portable(exc: Exception) -> Exception:
 
 def _sharded(dist: Any, group: Any, targets: tuple[str, ...], fail_on: FailOn | str | None,
              options: dict[str, Any]) -> tuple[Report, configuration.Policy]:
-    from cachedoctor import engine
+    from cachedoctor import engine, reduce
     from cachedoctor.baseline import apply_to, named
-    from cachedoctor.summary import SummaryStore
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    # Everything that can fail on one rank only happens before the collective, and its error is
-    # gathered like a result: a rank that raised alone would leave the others waiting forever.
-    try:
+    exchange = reduce.Exchange(dist, group)
+    # Everything that can fail on one rank only happens between the collectives, and its error
+    # is gathered like a result: a rank that raised alone would leave the others waiting forever.
+    held: dict[str, Any] = {}
+
+    def read() -> tuple:
         options.setdefault("jobs", _jobs_per_rank())
-        policy = resolve_policy(fail_on=fail_on, **options)
-        baseline = named(policy.baseline)
+        held["policy"] = policy = resolve_policy(fail_on=fail_on, **options)
+        held["baseline"] = named(policy.baseline)
         # engine.scan's steps, with the file phase of this rank's share only
-        scope = engine.begin(targets, dataclasses.replace(policy.options, shard=(rank, world)))
-        phase = engine.read_files(scope)
-        try:
-            rows, coverage = list(phase.store.rows()), list(phase.store.coverage_rows())
-        finally:
-            phase.store.close()
-        mine: tuple[Any, ...] = ("ok", phase.findings, rows, coverage, phase.files, phase.bytes)
+        held["scope"] = scope = engine.begin(
+            targets, dataclasses.replace(policy.options, shard=(rank, world)))
+        held["phase"] = phase = engine.read_files(scope)
+        held["datasets"] = datasets = engine.datasets_of(scope.layouts)
+        return phase.findings, phase.files, phase.bytes, reduce.aggregate(phase.store, datasets)
+
+    try:
+        # round 1: file findings and counts, and the per-dataset aggregates of this rank's files
+        first = _agreed(exchange, rank, read)
+        merged = reduce.merge_all(part[3] for part in first)
+        scope, datasets = held["scope"], held["datasets"]
+        # round 2: the summaries the dataset rules select, and the dirty coverage rows
+        second = _agreed(exchange, rank, lambda: reduce.shipment(
+            held["phase"].store, merged, scope.options, scope.rules, datasets))
+    finally:
+        if "phase" in held:
+            held["phase"].store.close()
+    policy, baseline = held["policy"], held["baseline"]
+    combined = engine.FilePhase([f for part in first for f in part[0]],
+                                sum(part[1] for part in first), sum(part[2] for part in first),
+                                reduce.ReducedStore(merged, datasets, second))
+    report = dataclasses.replace(engine.finish(scope, combined), policy=policy.applied)
+    _last_exchange[:] = [exchange.exchanged, exchange.calls]
+    return apply_to(report, baseline).report, policy
+
+
+# What the last sharded preflight of this process exchanged: [bytes gathered, collectives]
+# (tests and benchmarks/sharded_preflight.py read it).
+_last_exchange: list[int] = [0, 0]
+
+
+def _agreed(exchange: Any, rank: int, compute: Any) -> list[Any]:
+    """Every rank's `compute()`, or every rank raises the first error a rank met."""
+    try:
+        mine: tuple[str, Any] = ("ok", compute())
     except Exception as exc:
         error = exc
         mine = ("error", _portable(exc))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
-    for failed_rank, shipped in enumerate(gathered):
-        if shipped[0] == "error":
-            raised = error if failed_rank == rank else shipped[1]
-            raised.add_note(f"cachedoctor.preflight: raised on rank {failed_rank} of {world}")
+    gathered = exchange.objects(mine)
+    for failed_rank, (status, value) in enumerate(gathered):
+        if status == "error":
+            raised = error if failed_rank == rank else value
+            raised.add_note(f"cachedoctor.preflight: raised on rank {failed_rank} of "
+                            f"{len(gathered)}")
             raise raised
-    merged = engine.FilePhase([], 0, 0, SummaryStore())
-    for _, rank_findings, rows, coverage, rank_files, rank_bytes in gathered:
-        merged.findings.extend(rank_findings)
-        merged.store.add_blobs(rows)
-        merged.store.add_coverage(coverage)
-        merged.files += rank_files
-        merged.bytes += rank_bytes
-    report = dataclasses.replace(engine.finish(scope, merged), policy=policy.applied)
-    return apply_to(report, baseline).report, policy
+    return [value for _, value in gathered]

@@ -17,7 +17,7 @@ Rules never open files: what they know comes from the readers and the layouts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from cachedoctor.formats.meta import FileMeta
     from cachedoctor.inventory import Entry
     from cachedoctor.layouts.base import Dataset, Layout, Origin
-    from cachedoctor.summary import DatasetView
+    from cachedoctor.summary import DatasetView, FileSummary
 
 
 class _RulesFix(Enum):
@@ -38,6 +38,17 @@ class _RulesFix(Enum):
 
 
 RULES_FIX = _RulesFix.RULES_FIX  # Rule.finding's default: the fix the rule declares
+
+
+# A dataset rule's selection of the files it reads (Rule.select): for a file's summary, None
+# when the rule has no use for it, else (key, limit): the rule reads the `limit` files of `key`
+# with the smallest paths (its examples), or with limit None, every file of the key.
+Selector = Callable[["FileSummary"], tuple[Hashable, int | None] | None]
+
+
+def no_files(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """Rule.select of a rule that reads no file's summary (coverage rows and tallies only)."""
+    return None
 
 
 class RuleContext(NamedTuple):
@@ -66,6 +77,9 @@ class Rule:
     check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
     check_layouts: Callable[[Sequence[Layout], RuleContext], Iterable[Finding]] | None = None
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # defaults
+    # Which files' summaries check_dataset reads besides the view's tally, spans and coverage
+    # (a sharded preflight ships only those between ranks, see reduce.py); None: every file.
+    select: Callable[[DatasetView, RuleContext], Selector | None] | None = None
 
     def setting(self, ctx: RuleContext, key: str) -> Any:
         """A threshold such as CD201's `min-ratio`: from config or flags, else the default."""

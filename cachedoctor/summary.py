@@ -22,7 +22,7 @@ import os
 import re
 import sqlite3
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -199,9 +199,14 @@ class SummaryStore:
         if rows:
             self._db.executemany("INSERT INTO cov VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
 
-    def coverage_rows(self) -> Iterator[CoverageRow]:
-        """Every coverage row, to ship to another process (sharded preflight)."""
-        for row in self._db.execute("SELECT * FROM cov ORDER BY rowid"):
+    def coverage_rows(self, dataset: str | None = None) -> Iterator[CoverageRow]:
+        """Every coverage row (of `dataset`, when given), to ship to another process (sharded
+        preflight)."""
+        if dataset is None:
+            rows = self._db.execute("SELECT * FROM cov ORDER BY rowid")
+        else:
+            rows = self._db.execute("SELECT * FROM cov WHERE dataset = ? ORDER BY rowid", (dataset,))
+        for row in rows:
             yield CoverageRow(*row)
 
     def _index(self) -> None:
@@ -256,6 +261,32 @@ class Group(NamedTuple):
 _group = attrgetter(*Group._fields)  # a summary's Group, as a plain tuple
 
 
+def folder_key(folder: str) -> tuple[str, ...]:
+    """A folder's components: in this order the first and last folder of a set share exactly
+    the components every folder of the set shares (os.path.commonpath compares components)."""
+    return tuple(folder.split(os.sep))
+
+
+def widen(spans: dict, group: tuple, folder: str) -> None:
+    """Grow `group`'s (first, last) folder span in `spans` to take in `folder`."""
+    span = spans.get(group)
+    if span is None:
+        spans[group] = (folder, folder)
+        return
+    low, high = span
+    key = folder_key(folder)
+    if key < folder_key(low):
+        spans[group] = (folder, high)
+    elif key > folder_key(high):
+        spans[group] = (low, folder)
+
+
+def common_folder(spans: Iterable[tuple[str, str]]) -> str | None:
+    """The common folder of every folder the (first, last) spans cover."""
+    ends = [folder for span in spans for folder in span]
+    return os.path.commonpath(sorted(set(ends))) if ends else None
+
+
 class CoverageRow(NamedTuple):
     """One image, cache entry or listed image of a dataset, for the coverage queries (a row of
     the `cov` table, in its column order)."""
@@ -277,6 +308,8 @@ class DatasetView:
         self._db = db
         self.dataset = dataset
         self._tally: Counter[Group] | None = None
+        self._spans: dict[Group, tuple[str, str]] | None = None
+        self._folders: Counter[tuple[str, Group]] | None = None
 
     def tally(self) -> Counter[Group]:
         """How many summaries share each Group of facts, shared by every rule: a rule looks
@@ -294,6 +327,29 @@ class DatasetView:
         for _, rows in self._blobs():
             for row in rows:
                 yield FileSummary(*row)
+
+    def spans(self) -> dict[Group, tuple[str, str]]:
+        """Per Group, the first and last folder of its files in component order (folder_key):
+        what common_folder needs of a group, whatever its size (a sharded preflight merges
+        them, see reduce.py)."""
+        if self._spans is None:
+            spans: dict[tuple, tuple[str, str]] = {}
+            for s in self:
+                widen(spans, _group(s), os.path.dirname(s.path))
+            self._spans = {Group(*g): span for g, span in spans.items()}
+        return self._spans
+
+    def common_folder(self, which: Callable[[Group], bool]) -> str | None:
+        """The folder that holds every file whose Group is `which` (None when there is none)."""
+        return common_folder(span for g, span in self.spans().items() if which(g))
+
+    def folder_tally(self) -> Counter[tuple[str, Group]]:
+        """How many files of each Group each folder holds, for the files whose naming tells
+        a family (CD309 compares the families of one folder)."""
+        if self._folders is None:
+            self._folders = Counter((os.path.dirname(s.path), Group(*_group(s)))
+                                    for s in self if s.family is not None)
+        return self._folders
 
     def _blobs(self) -> Iterator[tuple[list, list]]:
         cursor = self._db.execute("SELECT blob FROM s WHERE dataset = ? ORDER BY rowid",

@@ -39,9 +39,9 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import Verdict, decide, keep, place, split_finding
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import EXAMPLES, Verdict, decide, keep, place, split_finding
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 from cachedoctor.units import shape_text
 
 
@@ -57,7 +57,9 @@ def judge(counts: Counter, expected: tuple[int, int] | None) -> Verdict | None:
     return decide(counts)
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+def _verdicts(view: DatasetView) -> tuple[dict[tuple, Verdict], dict[tuple, tuple[int, int]]]:
+    """Per (group, family, bucket), the verdict over its latents' shapes, and the sizes the
+    trainer expects."""
     counts: dict[tuple, Counter] = defaultdict(Counter)
     expected: dict[tuple, tuple[int, int]] = {}
     for g, n in view.tally().items():
@@ -71,6 +73,31 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     for key, c in counts.items():
         if (verdict := judge(c, expected.get(key))) is not None:
             verdicts[key] = verdict
+    return verdicts, expected
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The files of the minority shapes, and a few of each side of a split."""
+    verdicts, _ = _verdicts(view)
+    if not verdicts:
+        return None
+
+    def wanted(s: FileSummary) -> tuple | None:
+        if s.role != LATENT or s.bucket is None or not s.shape or s.dtype is None:
+            return None
+        key = (s.group, s.family, s.bucket)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            return None
+        if verdict.split:
+            return (key, s.shape), EXAMPLES
+        return ((key, s.shape), None) if s.shape != verdict.major else None
+
+    return wanted
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    verdicts, expected = _verdicts(view)
     if not verdicts:
         return
     split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -108,4 +135,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
+    select=select,
 )

@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
-from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.rule import Rule, RuleContext, no_files
 from cachedoctor.summary import DatasetView
 
 
@@ -56,4 +56,5 @@ RULE = Rule(
     summary="two images map to one cache file (SimpleTuner hashes the stem only: a.png, a.jpg)",
     doc=__doc__,
     check_dataset=check_dataset,
+    select=no_files,
 )

@@ -30,13 +30,20 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
-from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.rule import Rule, RuleContext, Selector
 from cachedoctor.summary import DatasetView
 
 
 def wrong(role: str, shape: tuple[int, ...] | None, expected: tuple[int, int] | None) -> bool:
     return (role == LATENT and expected is not None and shape is not None and len(shape) >= 2
             and tuple(shape[-2:]) != expected)
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The latents of the wrong size: each is a finding."""
+    if not any(wrong(g.role, g.shape, g.expected) for g in view.tally()):
+        return None
+    return lambda s: (None, None) if wrong(s.role, s.shape, s.expected) else None
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
@@ -62,4 +69,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
+    select=select,
 )

@@ -45,7 +45,7 @@ from cachedoctor.findings import Finding, Severity, display_path
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.shard_blobs import INDEX_FORMAT
-from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.rule import Rule, RuleContext, no_files
 from cachedoctor.summary import DatasetView
 
 
@@ -80,5 +80,6 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.REENCODE,
     check_dataset=check_dataset,
+    select=no_files,
     check_file=check_file,
 )

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.inventory import LATENT, TEXT
 from cachedoctor.layouts.musubi import ARCHITECTURES, IMAGE_LATENT, TEXT_ENTRY, VIDEO_LATENT, script
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 
 
 def _items(path: str) -> list[tuple[str, str, str]]:
@@ -43,6 +43,20 @@ def _items(path: str) -> list[tuple[str, str, str]]:
         if match is not None and match["arch"] in ARCHITECTURES:
             out.append((os.path.dirname(path), match["stem"], match["arch"]))
     return out
+
+
+def _paired(s: FileSummary) -> bool:
+    """A musubi latent, or a text-encoder output one may pair with."""
+    if s.role == LATENT:
+        return s.family in ARCHITECTURES
+    return s.role == TEXT and TEXT_ENTRY.match(os.path.basename(s.path)) is not None
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """Every musubi latent and text-encoder output: the rule pairs them by name."""
+    if not any(g.role == LATENT and g.family in ARCHITECTURES for g in view.tally()):
+        return None
+    return lambda s: (None, None) if _paired(s) else None
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
@@ -76,4 +90,5 @@ RULE = Rule(
     summary="a musubi-tuner latent has no text-encoder output beside it: the item is left out of training",
     doc=__doc__,
     check_dataset=check_dataset,
+    select=select,
 )

@@ -36,32 +36,54 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import SAFETENSORS
 from cachedoctor.inventory import LATENT, TEXT
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import ranked
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 
 
 def _judged(role: str, fmt: str, family: str | None) -> bool:
     return role in (LATENT, TEXT) and fmt == SAFETENSORS and family is not None
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+def _mixed(view: DatasetView) -> dict[str, Counter]:
+    """The folders whose judged files are of several families: their families' counts."""
     families = {g.family for g in view.tally() if _judged(g.role, g.format, g.family)}
     if len(families) < 2:
-        return
+        return {}
     by_dir: dict[str, Counter] = defaultdict(Counter)
-    for s in view:
-        if _judged(s.role, s.format, s.family):
-            by_dir[os.path.dirname(s.path)][s.family] += 1
-    mixed = {d: c for d, c in by_dir.items() if len(c) > 1}
+    for (folder, g), n in view.folder_tally().items():
+        if _judged(g.role, g.format, g.family):
+            by_dir[folder][g.family] += n
+    return {d: c for d, c in by_dir.items() if len(c) > 1}
+
+
+def _major(counts: Counter) -> tuple[str, int]:
+    return ranked(counts)[0]  # a tie goes to the same family whatever order files came in
+
+
+def _odd(s: FileSummary, mixed: dict[str, Counter]) -> bool:
+    counts = mixed.get(os.path.dirname(s.path))
+    return counts is not None and _judged(s.role, s.format, s.family) and \
+        s.family != _major(counts)[0]
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The files of another family than their folder's most."""
+    mixed = _mixed(view)
+    if not mixed:
+        return None
+    return lambda s: (None, None) if _odd(s, mixed) else None
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    mixed = _mixed(view)
     if not mixed:
         return
     for s in view:
-        counts = mixed.get(os.path.dirname(s.path))
-        if counts is None or not _judged(s.role, s.format, s.family):
+        if not _odd(s, mixed):
             continue
-        major, n = counts.most_common(1)[0]
-        if s.family == major:
-            continue
+        counts = mixed[os.path.dirname(s.path)]
+        major, n = _major(counts)
         yield RULE.finding(
             s.path,
             f"architecture {s.family} in a cache directory where {n:,} of "
@@ -78,4 +100,5 @@ RULE = Rule(
     summary="cache files of several model architectures in one cache directory (file names say which)",
     doc=__doc__,
     check_dataset=check_dataset,
+    select=select,
 )

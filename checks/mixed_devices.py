@@ -33,7 +33,6 @@ bit-identical.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterator
 
@@ -41,8 +40,9 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import ANY_DEVICE
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import keep
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 from cachedoctor.units import count
 
 MAX_LISTED = 1000
@@ -64,30 +64,44 @@ def check_file(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     return RULE.finding(meta.path, f"tensors on different devices: {text}", ctx, locations=where)
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    if _mapped(ctx):
-        return
-    # per group: the caches side by side in a bare tree are loaded by different trainers
+def _counts(view: DatasetView) -> dict[str | None, Counter[str]]:
+    """Files per device, per group: the caches side by side in a bare tree are loaded by
+    different trainers, so only files of one group are compared."""
     counts: dict[str | None, Counter[str]] = {}
     for g, n in view.tally().items():
         if len(g.locations) == 1:  # a file mixed within itself is reported by check_file
             counts.setdefault(g.group, Counter())[g.locations[0]] += n
-    mixed = {group for group, by_location in counts.items() if len(by_location) >= 2}
+    return {group: by_location for group, by_location in counts.items() if len(by_location) >= 2}
+
+
+def _off_cpu(s: FileSummary) -> bool:
+    return len(s.locations) == 1 and s.locations[0] != "cpu"
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The first MAX_LISTED files (by path) saved off the CPU, of each group that mixes."""
+    mixed = {} if _mapped(ctx) else _counts(view)
+    if not mixed:
+        return None
+    return lambda s: (s.group, MAX_LISTED) if s.group in mixed and _off_cpu(s) else None
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    if _mapped(ctx):
+        return
+    mixed = _counts(view)
     if not mixed:
         return
     off_cpu: dict[str | None, list[str]] = {group: [] for group in mixed}  # what the fix rewrites
-    folders: dict[str | None, set[str]] = {group: set() for group in mixed}
     for s in view:
-        if len(s.locations) != 1 or s.group not in mixed:
-            continue
-        folders[s.group].add(os.path.dirname(s.path))
-        if s.locations[0] != "cpu" and len(off_cpu[s.group]) < MAX_LISTED:
-            off_cpu[s.group].append(s.path)
+        if s.group in mixed and _off_cpu(s):
+            keep(off_cpu[s.group], s.path, MAX_LISTED)
     for group in sorted(mixed, key=lambda g: g or ""):
-        common = os.path.commonpath(sorted(folders[group]))
-        text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts[group].most_common())
+        common = view.common_folder(lambda g, group=group: len(g.locations) == 1 and g.group == group)
+        counts = mixed[group]
+        text = ", ".join(f"{loc}: {count(n, 'file')}" for loc, n in counts.most_common())
         yield RULE.finding(common, f"files saved from different devices: {text}", ctx,
-                           locations=dict(counts[group]), files=off_cpu[group])
+                           locations=dict(counts), files=off_cpu[group])
 
 
 RULE = Rule(
@@ -99,4 +113,5 @@ RULE = Rule(
     fix=FixKind.TO_CPU,
     check_file=check_file,
     check_dataset=check_dataset,
+    select=select,
 )

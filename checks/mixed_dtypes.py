@@ -28,16 +28,15 @@ or accept the mix if the trainer casts.
 
 from __future__ import annotations
 
-import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import TORCH_LEGACY, TORCH_ZIP
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import Verdict, decide, ranked, split_finding
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import Verdict, decide, keep, ranked, split_finding
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 from cachedoctor.units import count
 
 MAX_LISTED = 1000
@@ -48,7 +47,8 @@ def _key(role: str, group: str | None, family: str | None, fmt: str) -> tuple:
     return (role, group, family, CONTAINER.get(fmt, fmt))
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+def _verdicts(view: DatasetView) -> dict[tuple, Verdict]:
+    """Per (role, group, family, container), the verdict over its files' dtypes."""
     counts: dict[tuple, Counter] = defaultdict(Counter)
     for g, n in view.tally().items():
         if g.dtype is not None:  # None: no floating latent or embedding to judge
@@ -57,26 +57,50 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     for key, c in counts.items():
         if (verdict := decide(c)) is not None:
             verdicts[key] = verdict
+    return verdicts
+
+
+def _listed(s: FileSummary, verdicts: dict[tuple, Verdict]) -> tuple | None:
+    """The (comparison, dtype) a file is listed under: a minority's, or either side of a split."""
+    if s.dtype is None:
+        return None
+    key = _key(s.role, s.group, s.family, s.format)
+    verdict = verdicts.get(key)
+    if verdict is None or not (verdict.split or s.dtype != verdict.major):
+        return None
+    return key, s.dtype
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The first MAX_LISTED files (by path) of each listed dtype."""
+    verdicts = _verdicts(view)
+    if not verdicts:
+        return None
+
+    def wanted(s: FileSummary) -> tuple | None:
+        listed = _listed(s, verdicts)
+        return None if listed is None else (listed, MAX_LISTED)
+
+    return wanted
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    verdicts = _verdicts(view)
     if not verdicts:
         return
     files: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    folders: dict[tuple, set[str]] = defaultdict(set)
     for s in view:
-        key = _key(s.role, s.group, s.family, s.format)
-        verdict = verdicts.get(key)
-        if verdict is None or s.dtype is None:
-            continue
-        folders[key].add(os.path.dirname(s.path))
-        listed = files[key][s.dtype]
-        if (verdict.split or s.dtype != verdict.major) and len(listed) < MAX_LISTED:
-            listed.append(s.path)
+        listed = _listed(s, verdicts)
+        if listed is not None:
+            keep(files[listed[0]][listed[1]], s.path, MAX_LISTED)
     for key, verdict in sorted(verdicts.items(), key=lambda kv: str(kv[0])):
         role, group, family, _ = key
         what = "latents" if role == LATENT else "text embeddings"
         if family:
             what += f" ({family})"
-        where = group or _configured(ctx, role, folders[key]) or os.path.commonpath(
-            sorted(folders[key]))
+        common = view.common_folder(
+            lambda g, key=key: g.dtype is not None and _key(g.role, g.group, g.family, g.format) == key)
+        where = group or _configured(ctx, role, common) or common
         if verdict.split:
             yield split_finding(RULE, where, ctx, f"{what} dtypes", verdict, str, files[key])
             continue
@@ -87,13 +111,13 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
                            counts=dict(verdict.counts), files=minority)
 
 
-def _configured(ctx: RuleContext, role: str, folders: set[str]) -> str | None:
-    """The trainer config's cache dir of `role`, when the files are under it."""
+def _configured(ctx: RuleContext, role: str, common: str) -> str | None:
+    """The trainer config's cache dir of `role`, when the files (under `common`) are under it."""
     facts = ctx.facts
     if facts is None:
         return None
     where = facts.latent_cache_dir if role == LATENT else facts.text_cache_dir
-    if where is None or not os.path.commonpath(sorted(folders)).startswith(where):
+    if where is None or not common.startswith(where):
         return None
     return where
 
@@ -105,4 +129,5 @@ RULE = Rule(
     summary="tensors of one dataset disagree in dtype",
     doc=__doc__,
     check_dataset=check_dataset,
+    select=select,
 )

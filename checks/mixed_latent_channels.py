@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import Verdict, decide, keep, place, split_finding
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import EXAMPLES, Verdict, decide, keep, place, split_finding
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 
 
 def channels(shape: tuple[int, ...]) -> int | None:
@@ -62,7 +62,8 @@ def _counted(shape: tuple[int, ...] | None, dtype: str | None) -> int | None:
     return channels(shape) if shape and dtype is not None else None
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+def _verdicts(view: DatasetView) -> dict[tuple, Verdict]:
+    """Per (group, family), the verdict over its latents' channel counts."""
     counts: dict[tuple, Counter] = defaultdict(Counter)
     for g, n in view.tally().items():
         c = _counted(g.shape, g.dtype)
@@ -72,6 +73,29 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     for key, c in counts.items():
         if (verdict := decide(c)) is not None:
             verdicts[key] = verdict
+    return verdicts
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The latents of the minority channel counts, and a few of each side of a split."""
+    verdicts = _verdicts(view)
+    if not verdicts:
+        return None
+
+    def wanted(s: FileSummary) -> tuple | None:
+        c = _counted(s.shape, s.dtype) if s.role == LATENT else None
+        verdict = verdicts.get((s.group, s.family)) if c is not None else None
+        if verdict is None:
+            return None
+        if verdict.split:
+            return ((s.group, s.family), c), EXAMPLES
+        return (((s.group, s.family), c), None) if c != verdict.major else None
+
+    return wanted
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    verdicts = _verdicts(view)
     if not verdicts:
         return
     split: dict[tuple, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -104,4 +128,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
+    select=select,
 )

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
-from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.rule import Rule, RuleContext, no_files
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import count
 
@@ -72,4 +72,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
+    select=no_files,
 )

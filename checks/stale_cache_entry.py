@@ -36,7 +36,7 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.shard_blobs import INDEX_FORMAT
-from cachedoctor.rule import Rule, RuleContext
+from cachedoctor.rule import Rule, RuleContext, no_files
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import age
 
@@ -76,6 +76,7 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
+    select=no_files,
     check_file=check_file,
     settings={"tolerance-seconds": 2.0},
 )

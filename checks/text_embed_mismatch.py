@@ -37,9 +37,9 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import TEXT
-from cachedoctor.majority import Verdict, decide, keep, place, split_finding
-from cachedoctor.rule import Rule, RuleContext
-from cachedoctor.summary import DatasetView
+from cachedoctor.majority import EXAMPLES, Verdict, decide, keep, place, split_finding
+from cachedoctor.rule import Rule, RuleContext, Selector
+from cachedoctor.summary import DatasetView, FileSummary
 
 # keys whose last dimension is a sequence length, not a feature size
 SEQUENCE_KEY = re.compile(r"(mask|ids|tokens|time_ids)", re.IGNORECASE)
@@ -64,7 +64,8 @@ def _label(signature: tuple) -> str:
     return ", ".join(f"{k}[{d}]" if d is not None else k for k, d in signature) or "<none>"
 
 
-def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+def _verdicts(view: DatasetView) -> dict[tuple, Verdict]:
+    """Per (group, family), the verdict over its embeddings' signatures."""
     counts: dict[tuple, Counter] = defaultdict(Counter)
     for g, n in view.tally().items():
         if g.role == TEXT and g.signature:
@@ -73,6 +74,29 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     for key, c in counts.items():
         if (verdict := decide(c)) is not None:
             verdicts[key] = verdict
+    return verdicts
+
+
+def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
+    """The embeddings of the minority signatures, and a few of each side of a split."""
+    verdicts = _verdicts(view)
+    if not verdicts:
+        return None
+
+    def wanted(s: FileSummary) -> tuple | None:
+        verdict = verdicts.get((s.group, s.family)) if s.role == TEXT and s.signature else None
+        if verdict is None:
+            return None
+        mine = normalized(s.signature)
+        if verdict.split:
+            return ((s.group, s.family), mine), EXAMPLES
+        return (((s.group, s.family), mine), None) if mine != verdict.major else None
+
+    return wanted
+
+
+def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
+    verdicts = _verdicts(view)
     if not verdicts:
         return
     split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -106,4 +130,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_dataset=check_dataset,
+    select=select,
 )

@@ -2,7 +2,11 @@
 CACHE OUT`. Joins a gloo group through a file store, runs `cachedoctor.preflight` twice and
 writes what it saw to OUT as JSON: the verdict, the findings, the files this rank read; then
 the error of a second preflight in which rank 1 fails inside its share of the files, and the
-findings of a third in which the reader raises on one file."""
+findings of a third in which the reader raises on one file.
+
+`python preflight_rank.py trees RANK WORLD STORE OUT TARGET...` (tests/test_preflight_reduce.py):
+one group preflights each target in turn and writes, per target, every finding (code, path,
+message, fingerprint) and the bytes the reduce gathered."""
 
 from __future__ import annotations
 
@@ -65,5 +69,27 @@ def main(rank: int, world: int, store: str, cache: str, out: str) -> None:
         json.dump(seen, f)
 
 
+def trees(rank: int, world: int, store: str, out: str, targets: list[str]) -> None:
+    import os
+
+    from cachedoctor import api
+    from cachedoctor.baseline import fingerprint
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    seen = []
+    for target in targets:
+        report = cachedoctor.preflight(target, fail_on="never", jobs=1, isolated=True)
+        base = target if os.path.isdir(target) else os.path.dirname(target)
+        seen.append({"target": target, "files": report.files, "exchanged": api._last_exchange[0],
+                     "findings": sorted([f.code, f.path, f.message, fingerprint(f, base)]
+                                        for f in report.findings)})
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(seen, f)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6])
+    if sys.argv[1] == "trees":
+        trees(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6:])
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6])
