@@ -44,11 +44,12 @@ def test_both_ranks_raise_with_the_same_findings_each_reading_half(ranks) -> Non
     assert rank0["message"] == rank1["message"]
     assert rank0["findings"] == rank1["findings"]
     found = {(code, Path(path).relative_to(cache).as_posix()) for code, path, _ in rank0["findings"]}
-    # CD502 looks across the dataset's whole cache: its path is the cache dir itself
-    assert found == {("CD102", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"), ("CD502", ".")}
-    # each rank holds part of the cache: only the gathered summaries count all nine latents
+    # CD502 compares the files of one folder of a bare tree: its path is that folder
+    assert found == {("CD102", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"),
+                     ("CD502", "bucket")}
+    # each rank holds part of the folder: only the merged tallies count all five latents
     (cd502,) = [message for code, _, message in rank0["findings"] if code == "CD502"]
-    assert cd502 == "files saved from different devices: cpu: 8 files, cuda:0: 1 file"
+    assert cd502 == "files saved from different devices: cpu: 4 files, cuda:0: 1 file"
     everything = {str(p) for p in cache.rglob("*") if p.is_file()}
     assert rank0["files"] == len(everything) == 10
     assert set(rank0["read"]) | set(rank1["read"]) == everything
@@ -69,7 +70,8 @@ def test_a_reader_bug_on_one_rank_is_a_finding_every_rank_reports(ranks) -> None
     cache, (rank0, rank1) = ranks
     assert rank0["buggy"] == rank1["buggy"]
     found = {(code, Path(path).relative_to(cache).as_posix()) for code, path, _ in rank0["buggy"]}
-    assert found == {("CD002", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"), ("CD502", ".")}
+    assert found == {("CD002", "empty_file.pt"), ("CD501", "bucket/mixed_devices.pt"),
+                     ("CD502", "bucket")}
     [message] = [m for code, _, m in rank0["buggy"] if code == "CD002"]
     assert "OverflowError: int too large to convert" in message
 
