@@ -1,0 +1,197 @@
+"""How fast `cachedoctor scan --deep` reads a cache, against a plain parallel full read of the
+same files with the same process count, measured in the same run; and where --deep's time goes.
+
+Builds N latent files (default 2,000, a few hundred MB), a quarter in each of four caches:
+[4,128,128] torch.save zips of float32, float16 and bfloat16 (bare tensors, as SimpleTuner
+writes them: stored entries with CRC32s) and float16 safetensors files. Every file is read once
+first, so every figure below is warm (page cache), both sides alike. Then, best of R and
+interleaved (this machine's speed drifts):
+  - a plain full read: `jobs` forked processes, each opening its share of the files and reading
+    every byte into memory (the floor: what any check of every byte pays at least),
+  - `cachedoctor scan` (metadata only) and `cachedoctor scan --deep` as a user runs them (the
+    CLI in a subprocess, `-j jobs`); their start-up (a scan of an empty dir) is shown and taken
+    out, so the throughputs compare per byte.
+Target (issue #14): --deep at >= 50% of the plain read's throughput.
+
+Then one process reads every file with --deep under cProfile and splits its time by phase:
+CRC32, inflate, NaN/Inf count (numpy), I/O syscalls, and parse/other (the readers' Python,
+which the profiler slows most: its share is an upper bound).
+
+    python benchmarks/deep_speed.py [--files N] [--jobs J] [--repeats R] [--dir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import multiprocessing
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPEATS = 3
+SHAPE = (4, 128, 128)
+CACHES = ("pt_float32", "pt_float16", "pt_bfloat16", "st_float16")
+SCAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def build(root: str, n: int) -> list[str]:
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for i in range(n):
+        cache = CACHES[i % len(CACHES)]
+        kind, dtype = cache.split("_")
+        folder = os.path.join(root, cache)
+        os.makedirs(folder, exist_ok=True)
+        latent = torch.randn(SHAPE, generator=gen).to(getattr(torch, dtype))
+        path = os.path.join(folder, f"{i:06d}.{'pt' if kind == 'pt' else 'safetensors'}")
+        if not os.path.exists(path):
+            if kind == "pt":
+                torch.save(latent, path)
+            else:
+                save_file({"latent": latent}, path)
+        paths.append(path)
+    return paths
+
+
+def _read_all(paths: list[str]) -> int:
+    """Every byte of every file into memory, one file at a time: the floor."""
+    total = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            total += len(os.read(fd, size))
+        finally:
+            os.close(fd)
+    return total
+
+
+def timed_read(paths: list[str], jobs: int) -> float:
+    start = time.perf_counter()
+    if jobs == 1:
+        _read_all(paths)
+    else:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            pool.map(_read_all, [paths[i::jobs] for i in range(jobs)])
+    return time.perf_counter() - start
+
+
+def timed_scan(targets: list[str], jobs: int, deep: bool) -> tuple[float, dict]:
+    cmd = [sys.executable, "-m", "cachedoctor", "scan", *targets, "--format", "json",
+           "-j", str(jobs), "--fail-on", "never", *(["--deep"] if deep else [])]
+    start = time.perf_counter()
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env=SCAN_ENV).stdout
+    return time.perf_counter() - start, json.loads(out)
+
+
+# cProfile's names for the calls of each phase (builtins and the modules that do the work)
+def _phase(func: tuple[str, int, str]) -> str:
+    filename, _, name = func
+    if "crc32" in name:
+        return "CRC32"
+    if "decompress" in name:
+        return "inflate"
+    if filename.endswith("nonfinite.py") or "numpy" in filename or "numpy" in name:
+        return "NaN/Inf count"
+    if name.startswith("<built-in method posix.") and name[23:-1] in (
+            "read", "open", "close", "fstat", "lseek", "pread"):
+        return "I/O syscalls"
+    return "parse/other"
+
+
+def profile_deep(paths: list[str]) -> tuple[float, dict[str, float], float]:
+    """(plain seconds, {phase: profiled seconds}, profiled total) for read_path(deep=True) of
+    every path in this process."""
+    from cachedoctor.formats import read_path
+
+    for p in paths[:50]:  # imports, numpy's first use, the data.pkl memo: not per-file costs
+        read_path(p, deep=True)
+    start = time.perf_counter()
+    for p in paths:
+        read_path(p, deep=True)
+    plain = time.perf_counter() - start
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for p in paths:
+        read_path(p, deep=True)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # func -> (calls, ncalls, tottime, cumtime, callers)
+    phases: dict[str, float] = {}
+    for func, (_, _, tottime, _, _) in stats.items():
+        phase = _phase(func)
+        phases[phase] = phases.get(phase, 0.0) + tottime
+    return plain, phases, sum(phases.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=2_000)
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="processes for the read and the scans (default: every core)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="best of R (default 3)")
+    parser.add_argument("--dir", help="build (or reuse) the files here instead of a temp dir")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    args = parser.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="cachedoctor-deep-")
+    jobs = args.jobs
+    try:
+        t0 = time.perf_counter()
+        paths = build(root, args.files)
+        total = sum(os.path.getsize(p) for p in paths)
+        targets = [os.path.join(root, c) for c in CACHES]
+        print(f"{len(paths):,} files, {total / 1e6:.0f} MB in {root} (built in "
+              f"{time.perf_counter() - t0:.0f} s); {len(os.sched_getaffinity(0))} cores, "
+              f"{jobs} processes")
+        _read_all(paths)  # warm: every figure below reads from the page cache
+        print("page cache: warm (every file read once before the timings, both sides alike)")
+        empty = tempfile.mkdtemp(prefix="cachedoctor-deep-empty-")
+        startup = min(timed_scan([empty], 1, False)[0] for _ in range(args.repeats))
+        os.rmdir(empty)
+        read_s = scan_s = deep_s = float("inf")
+        for _ in range(args.repeats):
+            read_s = min(read_s, timed_read(paths, jobs))
+            elapsed, report = timed_scan(targets, jobs, False)
+            assert report["summary"]["files"] == len(paths), report["summary"]
+            scan_s = min(scan_s, elapsed)
+            elapsed, deep_report = timed_scan(targets, jobs, True)
+            assert deep_report["summary"]["files"] == len(paths), deep_report["summary"]
+            deep_s = min(deep_s, elapsed)
+        gb = total / 1e9
+        print(f"start-up (scan of an empty dir): {startup:.2f} s, taken out of both scans")
+        print(f"{'':<28}{'seconds':>9}{'GB/s':>8}{'vs read':>9}")
+        for label, seconds in (("plain full read", read_s), ("scan (metadata)", scan_s - startup),
+                               ("scan --deep", deep_s - startup)):
+            print(f"{label:<28}{seconds:>9.2f}{gb / seconds:>8.2f}{read_s / seconds:>8.0%}")
+        print(f"findings: scan {report['summary']['findings']}, --deep "
+              f"{deep_report['summary']['findings']}")
+        ratio = read_s / (deep_s - startup)
+        print(f"target (--deep >= 50% of the plain read's throughput): "
+              f"{'met' if ratio >= 0.5 else 'MISSED'} ({ratio:.0%}; as measured, start-up in: "
+              f"{read_s / deep_s:.0%})")
+
+        plain, phases, profiled = profile_deep(paths)
+        one_read = timed_read(paths, 1)
+        print(f"\none process: --deep reads {gb / plain:.2f} GB/s ({plain:.2f} s), a plain read "
+              f"{gb / one_read:.2f} GB/s ({one_read:.2f} s): {one_read / plain:.0%}")
+        print(f"where --deep's time goes (cProfile, {profiled:.2f} s profiled; "
+              f"{plain / len(paths) * 1e6:.0f} us a file unprofiled):")
+        for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+            print(f"  {phase:<16}{seconds:>7.2f} s {seconds / profiled:>5.0%}  "
+                  f"({seconds / profiled * plain / len(paths) * 1e6:.0f} us a file, scaled)")
+    finally:
+        if not args.dir and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
