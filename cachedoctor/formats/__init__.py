@@ -141,7 +141,8 @@ def read_path(path: str, *, deep: bool = False, templates: Templates | None = No
     its `templates` (zip_templates), which this read may match and learn from."""
     try:
         # a file the size of a torch layout seen before: only the bytes that decide it are read
-        fd, src = open_source(path, None if deep or templates is None else templates.spans)
+        fd, src = open_source(path, None if deep or templates is None else templates.spans,
+                              deep=deep)
     except OSError as exc:
         return FileMeta(path, 0, UNREADABLE, errors=(describe_os_error(exc),))
     try:

@@ -19,9 +19,9 @@ tensors view it.
 from __future__ import annotations
 
 import functools
-import zlib
 from dataclasses import dataclass
 
+from cachedoctor.formats import crc as checksum
 from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, nonfinite_offsets
 from cachedoctor.formats.source import BytesSource, Source
@@ -305,7 +305,7 @@ class _Reader:
         crc, pos = 0, 0
         for chunk in entry_chunks(self.src, record, stop=stop):
             if check_crc:
-                crc = zlib.crc32(chunk, crc)
+                crc = checksum.crc32(chunk, crc)
             end = pos + len(chunk)
             for dtype, (begins, ends, found_so_far) in bounds.items():
                 found = nonfinite_offsets(chunk, dtype, big)  # None: none (nearly always)

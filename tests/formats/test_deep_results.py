@@ -8,14 +8,16 @@ also read with the bounded path forced.
 
 from __future__ import annotations
 
+import sys
 import zipfile
 import zlib
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
-from cachedoctor.formats import nonfinite, read_path, source, zipdir
+from cachedoctor.formats import crc, nonfinite, read_path, source, zipdir
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter, count_nonfinite, count_values_at
 from cachedoctor.formats.source import BytesSource
 
@@ -48,8 +50,15 @@ def special_values(dtype: torch.dtype, n: int = 10_000) -> torch.Tensor:
 DTYPES = [torch.float16, torch.bfloat16, *EIGHT_BIT.values()]
 
 
+@pytest.fixture(params=[None, 998], ids=["blocks", "small-blocks"])
+def block(request, monkeypatch):
+    """The values are tested a block at a time: also in many small blocks."""
+    if request.param:
+        monkeypatch.setattr(nonfinite, "BLOCK", request.param)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_bit_pattern_counts_as_torch_says(dtype):
+def test_every_bit_pattern_counts_as_torch_says(dtype, block):
     t = every_pattern(dtype)
     name = str(dtype).removeprefix("torch.")
     assert name in FLOAT_DTYPES
@@ -65,7 +74,7 @@ def test_every_bit_pattern_counts_as_torch_says(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
                                    torch.complex64, torch.complex128], ids=str)
-def test_values_and_zeros_count_as_torch_says(dtype):
+def test_values_and_zeros_count_as_torch_says(dtype, block):
     t = special_values(dtype)
     if dtype.is_complex:
         t[5] = complex(0.0, float("nan"))
@@ -96,7 +105,7 @@ def test_clean_values_count_nothing():
 
 
 def latent(dtype: torch.dtype, planted: dict[int, float] | None = None) -> torch.Tensor:
-    t = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    t = torch.randn(4, 96, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     flat = t.view(-1)
     for i, v in (planted or {}).items():
         flat[i] = v
@@ -113,6 +122,7 @@ def both_paths(path, monkeypatch):
         m.setattr(source, "DEEP_WHOLE_LIMIT", 0, raising=False)
         m.setattr(zipdir, "CHUNK", 4096)
         m.setattr(nonfinite, "CHUNK", 4096)
+        m.setattr(nonfinite, "BLOCK", 500)
         bounded = read_path(str(path), deep=True)
     assert fast == bounded
     return fast
@@ -214,3 +224,20 @@ def test_a_planted_cache_scans_alike_on_both_paths(tmp_path, monkeypatch):
         i = int(path.stem)
         where = ("latent",) if path.suffix == ".safetensors" else ()
         assert dict(meta.nonfinite) == ({where: i} if i else {})
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["zlib-ng", "zlib-fallback"])
+def test_crc32_is_zlibs(monkeypatch, fast):
+    if fast:
+        pytest.importorskip("zlib_ng.zlib_ng")
+    else:  # where zlib-ng is not installed
+        monkeypatch.setitem(sys.modules, "zlib_ng.zlib_ng", None)
+    crc._fastest.cache_clear()
+    try:
+        data = np.random.default_rng(0).bytes(300_001)
+        assert crc.crc32(data) == zlib.crc32(data)
+        assert crc.crc32(memoryview(data)[7:], 12345) == zlib.crc32(data[7:], 12345)
+        assert crc.crc32(b"") == 0
+        assert (crc._fastest() is zlib.crc32) is not fast
+    finally:
+        crc._fastest.cache_clear()
