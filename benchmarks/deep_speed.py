@@ -97,12 +97,14 @@ def _warm_worker(path: str) -> None:
 
 
 def _deep_all(paths: list[str]) -> int:
-    """--deep's reader over every file, as a scan's worker runs it (no rules, no report)."""
+    """--deep's reader over every file, as a scan's worker runs it (with the zip templates it
+    learns as it goes; no rules, no report)."""
     from cachedoctor.formats import read_path
+    from cachedoctor.formats.zip_templates import Templates
 
-    bad = 0
+    bad, templates = 0, Templates()
     for p in paths:
-        meta = read_path(p, deep=True)
+        meta = read_path(p, deep=True, templates=templates)
         bad += bool(meta.errors or meta.crc_errors or meta.nonfinite)
     return bad
 
@@ -139,19 +141,22 @@ def _phase(func: tuple[str, int, str]) -> str:
 
 def profile_deep(paths: list[str]) -> tuple[float, dict[str, float], float]:
     """(plain seconds, {phase: profiled seconds}, profiled total) for read_path(deep=True) of
-    every path in this process."""
+    every path in this process, with a scan's zip templates."""
     from cachedoctor.formats import read_path
+    from cachedoctor.formats.zip_templates import Templates
 
     for p in paths[:50]:  # imports, numpy's first use, the data.pkl memo: not per-file costs
         read_path(p, deep=True)
     start = time.perf_counter()
+    templates = Templates()  # as a scan's worker reads: learning layouts as it goes
     for p in paths:
-        read_path(p, deep=True)
+        read_path(p, deep=True, templates=templates)
     plain = time.perf_counter() - start
     profiler = cProfile.Profile()
+    templates = Templates()
     profiler.enable()
     for p in paths:
-        read_path(p, deep=True)
+        read_path(p, deep=True, templates=templates)
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # func -> (calls, ncalls, tottime, cumtime, callers)
     phases: dict[str, float] = {}

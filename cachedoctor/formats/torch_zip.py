@@ -18,6 +18,7 @@ tensors view it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -94,6 +95,36 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory,
     except Exception as exc:  # malformed input that slipped past a check: still no traceback
         return FileMeta(path, src.size, TORCH_ZIP, deep=deep,
                         errors=(f"cannot read the archive ({type(exc).__name__}: {exc})",))
+
+
+def read_twin(src: Source, path: str, twin: FileMeta, directory: ZipDirectory,
+              crcs: tuple[int, ...], prefix: str) -> FileMeta:
+    """--deep of a file laid out as `directory`'s (another file's, zip_templates) whose records
+    torch reads hold the same bytes as that of `twin`, a deep FileMeta that found nothing: its
+    facts are twin's, so only this file's CRC32s (`crcs`, from its own directory) and values
+    are read. What read() would report, at the cost of the checks alone."""
+    cut = directory.entries[0].name.find("/") + 1
+    own = ZipDirectory(tuple(
+        ZipEntry(f"{prefix}/{e.name[cut:]}", e.method, crc, e.compressed_size, e.size,
+                 e.header_offset, e.data_offset)
+        for e, crc in zip(directory.entries, crcs, strict=True)),
+        directory.cd_offset, directory.trailing_bytes)
+    reader = _Reader(src, path, True, own)
+    records = {ascii_fold(e.name[len(prefix) + 1 :]): e for e in own.entries}
+    try:
+        nonfinite = reader._scan_storages(records, twin.tensors, reader._big_endian(records),
+                                          clip(f"{prefix}/"))
+        crc_errors = reader._crc_errors()
+    except OSError:
+        raise  # the dispatcher reports I/O failures as such
+    except Exception as exc:  # as read(): no traceback for input that slipped past a check
+        return FileMeta(path, src.size, TORCH_ZIP, deep=True,
+                        errors=(f"cannot read the archive ({type(exc).__name__}: {exc})",))
+    if not (nonfinite or crc_errors or reader.errors or reader.notes):
+        return twin.renamed(path)  # the same facts: whoever judges it may reuse twin's verdict
+    return dataclasses.replace(twin, path=path, nonfinite=nonfinite, crc_errors=crc_errors,
+                               errors=tuple(reader.errors), notes=tuple(reader.notes),
+                               mtime=0.0, same_as=None)
 
 
 class _Reader:
@@ -282,10 +313,7 @@ class _Reader:
                 dense.setdefault(meta.dtype, []).append(i)
             else:
                 strided.append(i)
-        bounds = {dtype: (np.array([tensors[i].extent()[0] for i in group], np.int64),
-                          np.array([tensors[i].extent()[1] for i in group], np.int64),
-                          np.zeros(len(group), np.int64))  # NaN/Inf found so far
-                  for dtype, group in dense.items()}
+        bounds: dict[str, tuple] = {}  # dtype -> its tensors' extents, once a chunk has NaN/Inf
         stored = record.method == STORED
         if stored:  # strided views are read from the file afterwards, as without CRCs
             held_from = held_to = 0
@@ -307,9 +335,11 @@ class _Reader:
             if check_crc:
                 crc = checksum.crc32(chunk, crc)
             end = pos + len(chunk)
-            for dtype, (begins, ends, found_so_far) in bounds.items():
+            for dtype, group in dense.items():
                 found = nonfinite_offsets(chunk, dtype, big)  # None: none (nearly always)
                 if found is not None:
+                    begins, ends, found_so_far = bounds.get(dtype) or bounds.setdefault(
+                        dtype, _extents(tensors, group))
                     found += pos
                     lo, hi = np.clip(begins, pos, end), np.clip(ends, pos, end)
                     found_so_far += np.searchsorted(found, hi) - np.searchsorted(found, lo)
@@ -318,7 +348,7 @@ class _Reader:
             pos = end
         if check_crc:
             self._crc[record] = crc
-        for dtype, (_, _, found_so_far) in bounds.items():
+        for dtype, (_, _, found_so_far) in bounds.items():  # (the rest found none)
             for i, n in zip(dense[dtype], found_so_far.tolist(), strict=True):
                 counts[i] = n
         if stored:
@@ -369,3 +399,12 @@ class _Reader:
                         unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
                         crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)
 
+
+def _extents(tensors: tuple[TensorMeta, ...], group: list[int]) -> tuple:
+    """(begins, ends, zeros) of the tensors `group` names, as numpy arrays: the NaN/Inf each
+    holds is counted into the zeros by a binary search of each chunk's offsets."""
+    import numpy as np
+
+    return (np.array([tensors[i].extent()[0] for i in group], np.int64),
+            np.array([tensors[i].extent()[1] for i in group], np.int64),
+            np.zeros(len(group), np.int64))

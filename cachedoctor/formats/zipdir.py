@@ -353,6 +353,8 @@ def _inflate_chunks(src: Source, entry: ZipEntry, stop: int, strict: bool) -> It
 def entry_crc(src: Source, entry: ZipEntry) -> int:
     """CRC32 of the entry's uncompressed bytes, read in chunks (never whole in memory);
     OversizedEntry as entry_chunks."""
+    if entry.method == STORED and src.buffer is not None:  # in memory: one call, no copy
+        return crc.crc32(view(src, entry.data_offset, entry.size))
     value = 0
     for chunk in entry_chunks(src, entry):
         value = crc.crc32(chunk, value)

@@ -20,6 +20,7 @@ import torch
 from cachedoctor.formats import crc, nonfinite, read_path, source, zipdir
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter, count_nonfinite, count_values_at
 from cachedoctor.formats.source import BytesSource
+from cachedoctor.formats.zip_templates import Templates
 
 EIGHT_BIT = {name: getattr(torch, name) for name in (
     "float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -241,3 +242,32 @@ def test_crc32_is_zlibs(monkeypatch, fast):
         assert (crc._fastest() is zlib.crc32) is not fast
     finally:
         crc._fastest.cache_clear()
+
+
+def test_files_of_one_layout_read_alike_with_templates(tmp_path):
+    """A scan's zip templates let --deep skip what a file shares with one read before (its
+    directory, its data.pkl): every file still reports its own CRC errors and NaN/Inf."""
+    paths = []
+    for i in range(8):
+        path = tmp_path / f"{i:02d}.pt"
+        torch.save(latent(torch.bfloat16, {i * 11: float("nan")} if i in (3, 6) else None), path)
+        paths.append(path)
+    data = paths[4].read_bytes()
+    with zipfile.ZipFile(paths[4]) as z:
+        stored = z.read(next(n for n in z.namelist() if n.endswith("/data/0")))
+    flip(paths[4], data.index(stored) + 99)  # a flipped payload byte: CD103
+    data = paths[5].read_bytes()
+    with zipfile.ZipFile(paths[5]) as z:
+        recorded = next(i for i in z.infolist() if i.filename.endswith("/data/0")).CRC
+    paths[5].write_bytes(data.replace(recorded.to_bytes(4, "little"),
+                                      (recorded ^ 0x100).to_bytes(4, "little")))  # a flipped CRC
+    templates = Templates()
+    for path in paths:
+        alone = read_path(str(path), deep=True)
+        shared = read_path(str(path), deep=True, templates=templates)
+        assert shared == alone
+        # the clean ones after the first are twins: the same facts, reusable verdicts
+        assert (shared.same_as is not None) == (path.stem in ("01", "02", "07"))
+    assert [bool(read_path(str(p), deep=True).crc_errors) for p in paths] == [
+        False, False, False, False, True, True, False, False]
+    assert dict(read_path(str(paths[6]), deep=True).nonfinite) == {(): 1}
