@@ -1,7 +1,7 @@
 """How fast `cachedoctor scan --deep` reads a cache, against a plain parallel full read of the
 same files with the same process count, measured in the same run; and where --deep's time goes.
 
-Builds N latent files (default 2,000, a few hundred MB), a quarter in each of four caches:
+Builds N latent files (default 2,000, 330 MB), a quarter in each of four caches:
 [4,128,128] torch.save zips of float32, float16 and bfloat16 (bare tensors, as SimpleTuner
 writes them: stored entries with CRC32s) and float16 safetensors files. Every file is read once
 first, so every figure below is warm (page cache), both sides alike. Then, best of R and
@@ -20,7 +20,11 @@ Then one process reads every file with --deep under cProfile and splits its time
 CRC32, inflate, NaN/Inf count (numpy), I/O syscalls, and parse/other (the readers' Python,
 which the profiler slows most: its share is an upper bound).
 
-    python benchmarks/deep_speed.py [--files N] [--jobs J] [--repeats R] [--dir DIR] [--keep]
+    python benchmarks/deep_speed.py [--files N] [--links K] [--jobs J] [--repeats R]
+                                    [--dir DIR] [--keep]
+
+`--links K` (default 4) gives every file K names (hard links in copies of the cache folders):
+K times the files and bytes to read, the same disk and page cache.
 """
 
 from __future__ import annotations
@@ -64,6 +68,24 @@ def build(root: str, n: int) -> list[str]:
                 save_file({"latent": latent}, path)
         paths.append(path)
     return paths
+
+
+def linked(root: str, paths: list[str], links: int) -> tuple[list[str], list[str]]:
+    """Every path and `links` - 1 hard links to it, in copies of the cache folders: (paths,
+    cache folders). More bytes to read without more disk or page cache: the processes' start
+    (numpy's import among it) is spread over more work, as on a real cache."""
+    out, caches = list(paths), [os.path.join(root, c) for c in CACHES]
+    for k in range(1, links):
+        for path in paths:
+            cache, name = path.rsplit(os.sep, 2)[1:]
+            folder = os.path.join(root, f"{cache}-{k}")
+            os.makedirs(folder, exist_ok=True)
+            link = os.path.join(folder, name)
+            if not os.path.exists(link):
+                os.link(path, link)
+            out.append(link)
+        caches += [os.path.join(root, f"{c}-{k}") for c in CACHES]
+    return out, caches
 
 
 def _read_all(paths: list[str]) -> int:
@@ -172,6 +194,8 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=2_000)
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="processes for the read and the scans (default: every core)")
+    parser.add_argument("--links", type=int, default=4,
+                        help="K names per built file (hard links; default 4)")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="best of R (default 3)")
     parser.add_argument("--dir", help="build (or reuse) the files here instead of a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
@@ -180,10 +204,10 @@ def main() -> None:
     jobs = args.jobs
     try:
         t0 = time.perf_counter()
-        paths = build(root, args.files)
+        paths, targets = linked(root, build(root, args.files), args.links)
         total = sum(os.path.getsize(p) for p in paths)
-        targets = [os.path.join(root, c) for c in CACHES]
-        print(f"{len(paths):,} files, {total / 1e6:.0f} MB in {root} (built in "
+        named = f" ({args.links} names each)" if args.links > 1 else ""
+        print(f"{len(paths):,} files{named}, {total / 1e6:.0f} MB in {root} (built in "
               f"{time.perf_counter() - t0:.0f} s); {len(os.sched_getaffinity(0))} cores, "
               f"{jobs} processes")
         _read_all(paths)  # warm: every figure below reads from the page cache

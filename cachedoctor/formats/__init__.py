@@ -239,7 +239,10 @@ def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -
         crcs = template.crcs(windows) if deep and twin is not None and prefix.isascii() \
             else None
         if crcs is not None:
-            return torch_zip.read_twin(src, path, twin, template.directory, crcs, prefix)
+            if records not in template.plans:  # what to read of its twins, worked out once
+                template.plans[records] = torch_zip.twin_plan(src, twin, template.directory)
+            return torch_zip.read_twin(src, path, twin, template.directory, crcs, prefix,
+                                       template.plans[records])
         if not deep:  # (--deep reads this file's own directory: its own CRCs)
             if twin is not None:
                 return twin

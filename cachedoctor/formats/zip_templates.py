@@ -47,7 +47,7 @@ CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
 class Template:
-    __slots__ = ("crc_offsets", "directory", "patterns", "records", "spans", "twins")
+    __slots__ = ("crc_offsets", "directory", "patterns", "plans", "records", "spans", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
                  directory: ZipDirectory, records: tuple[tuple[int, int], ...],
@@ -58,6 +58,7 @@ class Template:
         self.records = records  # (start, end) in the file of each record the reader reads
         self.twins: dict[bytes, FileMeta] = {}  # by record_bytes(): a sound file's FileMeta
         self.crc_offsets = crc_offsets  # where each entry's CRC32 sits in the central directory
+        self.plans: dict[bytes, object] = {}  # by record_bytes(): a deep twin's TwinPlan, or None
 
     def prefix(self, windows: tuple[Window, ...]) -> str | None:
         """This file's archive prefix if the bytes in `windows` match the layout, else None
@@ -105,6 +106,10 @@ class Template:
     def crcs(self, windows: tuple[Window, ...]) -> tuple[int, ...] | None:
         """The CRC32 the central directory records for each entry of a file that matched this
         layout, in directory order; None when the windows miss one."""
+        base, data = windows[0]
+        offsets = self.crc_offsets  # (ascending: the directory's entries in order)
+        if base == 0 and offsets and offsets[-1] + 4 <= len(data):  # the whole file: no search
+            return tuple(int.from_bytes(data[at : at + 4], "little") for at in self.crc_offsets)
         found = []
         for at in self.crc_offsets:
             data, base = _holding(windows, at, 4)
