@@ -68,18 +68,26 @@ _SCRATCH: dict = {}  # value size -> the scratch array _masked reuses
 
 
 def _count_bad(bits, dtype: str) -> int:
-    """NaN/Inf elements among `bits` (from _bits): a masking pass and a max() per block finds
-    that a block has none (nearly always); only a block that has some is counted."""
+    """NaN/Inf elements among `bits` (from _bits). Two reductions that read and write nothing
+    else find that there are none (nearly always): a value is bad when its bits less the sign
+    reach the threshold, so a bad positive one has the largest signed view of all, at least
+    the threshold, and a bad negative one the largest unsigned view, at least sign | threshold.
+    Only then are they counted."""
     import numpy as np
 
     if dtype in _ONE_NAN:  # (rare formats: plainly)
         return int(np.count_nonzero(bits == _ONE_NAN[dtype]))
     _, parts, mask, threshold = _TESTS[dtype]
-    total = 0
-    for magnitude in _masked(bits, mask):
-        if magnitude.size and magnitude.max() >= threshold:
-            total += _whole(magnitude >= threshold, parts, any)
-    return total
+    if not bits.size:
+        return 0
+    sign = mask + 1 if mask + 1 < 1 << (8 * bits.dtype.itemsize) else 0  # (e8m0: no sign)
+    if not sign:
+        if bits.max() < threshold:
+            return 0
+    elif bits.max() < sign | threshold and bits.view(bits.dtype.str.replace("u", "i")).max() \
+            < threshold:
+        return 0
+    return _whole((bits & mask) >= threshold, parts, any)
 
 
 def _whole(flags, parts: int, combine) -> int:

@@ -18,7 +18,7 @@ WHOLE_FILE_LIMIT = 64 * 1024
 WINDOW = 8 * 1024
 # --deep reads every byte anyway: a file up to this size is read in one call, and checked
 # through memoryview slices of that buffer (no copies); a bigger one in bounded chunks
-DEEP_WHOLE_LIMIT = 64 * 1024 * 1024
+DEEP_WHOLE_LIMIT = 16 * 1024 * 1024
 
 
 Window = tuple[int, bytes]  # (offset, the bytes there)
