@@ -2,11 +2,11 @@
 
 Keyed by torch dtype names so every reader can use it. Every format is tested on its bits, as
 unsigned integers: an element is NaN or Inf when its exponent bits are all set, that is when
-its bits less the sign are at least the exponent mask. One masking pass and a max() find that
-nothing is bad (nearly always), at memory speed for every dtype: numpy's own isfinite on
-float16 converts each element and was 30x slower, and bfloat16 and the float8 formats have no
-numpy dtype at all. numpy is imported on first use, so a default (metadata-only) scan never
-pays for its import.
+its bits less the sign are at least the exponent mask. Two read-only reductions find that
+nothing is bad (nearly always), at memory speed for every dtype and with no temporary array (so
+nothing shared between threads either): numpy's own isfinite on float16 converts each element
+and was 30x slower, and bfloat16 and the float8 formats have no numpy dtype at all. numpy is
+imported on first use, so a default (metadata-only) scan never pays for its import.
 """
 
 from __future__ import annotations
@@ -47,24 +47,6 @@ def _bits(data: bytes | memoryview, dtype: str, big_endian: bool):
     code, parts = _TESTS[dtype][:2] if dtype in _TESTS else ("u1", 1)
     count = len(data) // (int(code[1:]) * parts) * parts
     return np.frombuffer(data, (">" if big_endian else "<") + code, count=count)
-
-
-def _masked(bits, mask: int):
-    """`bits & mask`, a block of BLOCK values at a time: each block into one scratch array,
-    reused (valid until the next block). A fresh temporary the
-    size of the data would cost a page fault per 4 KiB, more than the test itself."""
-    import numpy as np
-
-    scratch = _SCRATCH.get(bits.dtype.itemsize)
-    if scratch is None or scratch.size < BLOCK:
-        scratch = _SCRATCH[bits.dtype.itemsize] = np.empty(BLOCK, f"u{bits.dtype.itemsize}")
-    for at in range(0, bits.size, BLOCK):
-        part = bits[at : at + BLOCK]
-        yield np.bitwise_and(part, mask, out=scratch[: part.size])
-
-
-BLOCK = 1 << 16  # values per masking pass (an even count: a complex element is never cut)
-_SCRATCH: dict = {}  # value size -> the scratch array _masked reuses
 
 
 def _count_bad(bits, dtype: str) -> int:
@@ -176,12 +158,11 @@ def count_values_at(src: Source, offset: int, nbytes: int, dtype: str) -> tuple[
         return 0, 0
     size = itemsize(dtype)
     step = CHUNK - CHUNK % size
-    # an element is zero when every bit but the sign is clear (the mask the NaN/Inf test
-    # uses, mostly: one masking pass serves both); for the fnuz float8 formats the sign-only
-    # pattern is NaN, so only the all-clear one
-    code, parts, *test = _TESTS.get(dtype, ("u1", 1))
-    zero_mask = 0xFF if dtype.endswith("fnuz") else (1 << (8 * int(code[1:]) - 1)) - 1
-    shared = bool(test) and test[0] == zero_mask
+    # an element is zero when every bit but the sign is clear; for the fnuz float8 formats
+    # the sign-only pattern is NaN, so only the all-clear one
+    code, parts = _TESTS[dtype][:2] if dtype in _TESTS else ("u1", 1)
+    width = 8 * int(code[1:])
+    zero_mask = 0xFF if dtype.endswith("fnuz") else (1 << (width - 1)) - 1
     bad = zeros = 0
     pos, end = offset, offset + nbytes
     while pos < end:
@@ -189,14 +170,11 @@ def count_values_at(src: Source, offset: int, nbytes: int, dtype: str) -> tuple[
         if not chunk:
             break
         bits = _bits(chunk, dtype, False)
-        if not shared:
-            bad += _count_bad(bits, dtype)
-        for cleared in _masked(bits, zero_mask):
-            if not cleared.size:
-                continue
-            if shared and cleared.max() >= test[1]:
-                bad += _whole(cleared >= test[1], parts, any)
-            if cleared.min() == 0:  # any zero at all (rare, but for NaNs masked as zeros)
-                zeros += _whole(cleared == 0, parts, all)
+        bad += _count_bad(bits, dtype)
+        # any zero at all (rare, but for NaNs a writer replaced with 0): +0 is the smallest
+        # unsigned view, -0 (the sign bit alone) the smallest signed one; read-only reductions
+        if bits.size and (bits.min() == 0 or (zero_mask != 0xFF and bits.view(
+                bits.dtype.str.replace("u", "i")).min() == -(1 << (width - 1)))):
+            zeros += _whole((bits & zero_mask) == 0, parts, all)
         pos += len(chunk)
     return bad, zeros

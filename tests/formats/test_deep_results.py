@@ -51,15 +51,15 @@ def special_values(dtype: torch.dtype, n: int = 10_000) -> torch.Tensor:
 DTYPES = [torch.float16, torch.bfloat16, *EIGHT_BIT.values()]
 
 
-@pytest.fixture(params=[None, 998], ids=["blocks", "small-blocks"])
+@pytest.fixture(params=[None, 1000], ids=["chunks", "small-chunks"])
 def block(request, monkeypatch):
-    """The values are tested a block at a time: also in many small blocks."""
+    """The values are read a chunk at a time: also in many small chunks."""
     if request.param:
-        monkeypatch.setattr(nonfinite, "BLOCK", request.param)
+        monkeypatch.setattr(nonfinite, "CHUNK", request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_bit_pattern_counts_as_torch_says(dtype, block):
+def test_every_bit_pattern_counts_as_torch_says(dtype):
     t = every_pattern(dtype)
     name = str(dtype).removeprefix("torch.")
     assert name in FLOAT_DTYPES
@@ -123,7 +123,6 @@ def both_paths(path, monkeypatch):
         m.setattr(source, "DEEP_WHOLE_LIMIT", 0, raising=False)
         m.setattr(zipdir, "CHUNK", 4096)
         m.setattr(nonfinite, "CHUNK", 4096)
-        m.setattr(nonfinite, "BLOCK", 500)
         bounded = read_path(str(path), deep=True)
     assert fast == bounded
     return fast
