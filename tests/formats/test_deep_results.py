@@ -243,9 +243,13 @@ def test_crc32_is_zlibs(monkeypatch, fast):
         crc._fastest.cache_clear()
 
 
-def test_files_of_one_layout_read_alike_with_templates(tmp_path):
+@pytest.mark.parametrize("whole", [True, False], ids=["in-memory", "windows"])
+def test_files_of_one_layout_read_alike_with_templates(tmp_path, monkeypatch, whole):
     """A scan's zip templates let --deep skip what a file shares with one read before (its
-    directory, its data.pkl): every file still reports its own CRC errors and NaN/Inf."""
+    directory, its data.pkl): every file still reports its own CRC errors and NaN/Inf, whether
+    the file is all in memory (checked from slices of it) or only its head and tail are."""
+    if not whole:
+        monkeypatch.setattr(source, "DEEP_WHOLE_LIMIT", 0)
     paths = []
     for i in range(8):
         path = tmp_path / f"{i:02d}.pt"
