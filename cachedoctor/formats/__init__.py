@@ -141,7 +141,8 @@ def read_path(path: str, *, deep: bool = False, templates: Templates | None = No
     its `templates` (zip_templates), which this read may match and learn from."""
     try:
         # a file the size of a torch layout seen before: only the bytes that decide it are read
-        fd, src = open_source(path, None if deep or templates is None else templates.spans)
+        fd, src = open_source(path, None if deep or templates is None else templates.spans,
+                              deep=deep)
     except OSError as exc:
         return FileMeta(path, 0, UNREADABLE, errors=(describe_os_error(exc),))
     try:
@@ -227,20 +228,27 @@ def _merged(meta: FileMeta, other: FileMeta) -> FileMeta:
 
 
 def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -> FileMeta:
-    # a torch file laid out like one already read needs no directory parse (not --deep, which
-    # checks the CRCs a template leaves out), and one that also holds the same data.pkl no read
-    windows = None if deep or templates is None else src.windows
-    seen = templates.match(src.size, windows) if templates is not None and windows is not None \
-        else None
+    # a torch file laid out like one already read needs no directory parse, and one that also
+    # holds the same data.pkl no read (--deep: no read but of its CRCs and values)
+    windows = None if templates is None else src.windows
+    seen = templates.match(src.size, windows) if windows is not None else None
     if seen is not None:
         template, prefix = seen
         records = template.record_bytes(windows)
-        twin = template.twin(records, path)
-        if twin is not None:
-            return twin
-        meta = torch_zip.read(src, path, deep, template.directory, prefix=prefix)
-        template.learn(records, meta)
-        return meta
+        twin = template.twin(records, path, deep)
+        crcs = template.crcs(windows) if deep and twin is not None and prefix.isascii() \
+            else None
+        if crcs is not None:
+            if records not in template.plans:  # what to read of its twins, worked out once
+                template.plans[records] = torch_zip.twin_plan(src, twin, template.directory)
+            return torch_zip.read_twin(src, path, twin, template.directory, crcs, prefix,
+                                       template.plans[records])
+        if not deep:  # (--deep reads this file's own directory: its own CRCs)
+            if twin is not None:
+                return twin
+            meta = torch_zip.read(src, path, deep, template.directory, prefix=prefix)
+            template.learn(records, meta)
+            return meta
     try:
         directory = read_directory(src)
     except ZipError as exc:
@@ -253,7 +261,9 @@ def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -
         meta = torch_zip.read(src, path, deep, directory)
         # a template reads only the standard records: a file with any other entry (another
         # tool's pickle, a second reading of a record) is read in full every time
-        if meta.ok and zip_templates.standard(directory):
+        if seen is not None:  # (--deep: laid out as one seen, but no twin yet)
+            seen[0].learn(records, meta)
+        elif meta.ok and zip_templates.standard(directory):
             templates.remember(src.size, windows, directory, meta)
         return meta
     if names and all(n.endswith(".npy") for n in names):

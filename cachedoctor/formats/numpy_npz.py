@@ -10,8 +10,7 @@ pass. A member that inflates past its recorded size (a zip bomb) is an error, no
 
 from __future__ import annotations
 
-import zlib
-
+from cachedoctor.formats import crc as checksum
 from cachedoctor.formats import numpy_npy as npy
 from cachedoctor.formats.meta import NPZ, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter
@@ -148,7 +147,7 @@ def _check_whole(src: Source, entry: ZipEntry, member: _Member, header: npy.NpyH
         begin, end = header.data_offset, header.data_offset + header.nbytes
     try:
         for chunk in entry_chunks(src, entry, entry.size):  # as np.load: no byte past it
-            crc = zlib.crc32(chunk, crc)
+            crc = checksum.crc32(chunk, crc)
             at, done = done, done + len(chunk)
             if counter is not None and at < end and done > begin:
                 counter.feed(memoryview(chunk)[max(begin - at, 0) : end - at])

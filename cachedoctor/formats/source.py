@@ -16,6 +16,9 @@ from typing import Protocol
 
 WHOLE_FILE_LIMIT = 64 * 1024
 WINDOW = 8 * 1024
+# --deep reads every byte anyway: a file up to this size is read in one call, and checked
+# through memoryview slices of that buffer (no copies); a bigger one in bounded chunks
+DEEP_WHOLE_LIMIT = 16 * 1024 * 1024
 
 
 Window = tuple[int, bytes]  # (offset, the bytes there)
@@ -49,7 +52,7 @@ class FileSource:
     bytes decide a file of a layout it has seen); any other range is read on request."""
 
     def __init__(self, fd: int, size: int, position: int | None = None,
-                 spans: Spans | None = None) -> None:
+                 spans: Spans | None = None, whole_limit: int = WHOLE_FILE_LIMIT) -> None:
         self._fd = fd
         self._pos = position  # the descriptor's offset, when known: saves an lseek
         self.size = size
@@ -58,7 +61,7 @@ class FileSource:
         self.windows: tuple[Window, ...]
         if spans is not None:
             self.windows = tuple((at, self._read(at, n)) for at, n in spans)
-        elif size <= WHOLE_FILE_LIMIT:
+        elif size <= max(whole_limit, WHOLE_FILE_LIMIT):
             self.buffer = self._read(0, size)
             self.windows = ((0, self.buffer),)
         else:
@@ -99,12 +102,25 @@ def windowed_pread(src: Source, offset: int, n: int, read: Callable[[int, int], 
     return read(offset, end - offset)
 
 
+def view(src: Source, offset: int, n: int) -> bytes | memoryview:
+    """src.pread(offset, n), as a memoryview into the source's buffer when it holds every byte:
+    --deep's CRC and NaN/Inf checks take a slice of a file without copying it."""
+    buffer = src.buffer
+    if buffer is None:
+        return src.pread(offset, n)
+    if offset < 0 or n <= 0:
+        return b""
+    return memoryview(buffer)[offset : offset + n]
+
+
 Spans = tuple[tuple[int, int], ...]  # (offset, length) ranges of a file
 
 
-def open_source(path: str, spans_for: Callable[[int], Spans | None] | None = None) -> tuple[int, FileSource]:
+def open_source(path: str, spans_for: Callable[[int], Spans | None] | None = None,
+                deep: bool = False) -> tuple[int, FileSource]:
     """Open `path` for reading; the caller closes the returned descriptor. `spans_for(size)`
-    may name the (offset, length) spans to read, given the file's size.
+    may name the (offset, length) spans to read, given the file's size; `deep` reads a file
+    up to DEEP_WHOLE_LIMIT whole.
 
     O_NONBLOCK keeps a FIFO or device node from hanging the scan; those are refused here.
     """
@@ -114,7 +130,8 @@ def open_source(path: str, spans_for: Callable[[int], Spans | None] | None = Non
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"not a regular file: {path}")
         spans = spans_for(st.st_size) if spans_for is not None else None
-        src = FileSource(fd, st.st_size, position=0, spans=spans)
+        src = FileSource(fd, st.st_size, position=0, spans=spans,
+                         whole_limit=DEEP_WHOLE_LIMIT if deep else WHOLE_FILE_LIMIT)
         src.mtime = st.st_mtime
         return fd, src
     except BaseException:

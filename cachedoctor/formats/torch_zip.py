@@ -21,10 +21,11 @@ it), in bounded chunks that feed both checks, however many tensors view it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import zlib
 from dataclasses import dataclass
 
+from cachedoctor.formats import crc as checksum
 from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, nonfinite_offsets
 from cachedoctor.formats.source import BytesSource, Source
@@ -97,6 +98,106 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory,
     except Exception as exc:  # malformed input that slipped past a check: still no traceback
         return FileMeta(path, src.size, TORCH_ZIP, deep=deep,
                         errors=(f"cannot read the archive ({type(exc).__name__}: {exc})",))
+
+
+@dataclass(frozen=True, slots=True)
+class TwinPlan:
+    """What --deep reads of a twin (read_twin) whose bytes are all in memory, worked out once
+    per twin: every entry stored, every float tensor dense."""
+
+    entries: tuple[tuple[int, int, str], ...]  # (data offset, size, name past the prefix)
+    # (data offset, size, dtype, tensor indices, their begins, their ends) per storage and dtype
+    storages: tuple[tuple[int, int, str, tuple[int, ...], object, object], ...]
+    big: bool
+
+
+def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory) -> TwinPlan | None:
+    """The TwinPlan of `twin` (read from a file of `directory`'s layout, as `src` is), or None
+    when the general path must read its twins (a deflated entry, a strided view)."""
+
+    entries = directory.entries
+    cut = entries[0].name.find("/") + 1
+    if any(e.method != STORED for e in entries):
+        return None
+    records = {ascii_fold(e.name[cut:]): e for e in entries}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, meta in enumerate(twin.tensors):
+        if meta.dtype not in FLOAT_DTYPES or meta.numel == 0 or meta.storage_bytes is None:
+            continue
+        record = records.get(ascii_fold(f"data/{meta.storage_key}"))
+        if record is None or meta.extent()[1] > meta.storage_bytes:
+            continue  # (not counted by read() either)
+        if not is_dense(meta) or meta.itemsize != itemsize(meta.dtype):
+            return None
+        groups.setdefault((meta.storage_key, meta.dtype), []).append(i)
+    storages = []
+    for (key, dtype), group in groups.items():
+        record = records[ascii_fold(f"data/{key}")]
+        begins, ends, _ = _extents(twin.tensors, group)
+        storages.append((record.data_offset, record.size, dtype, tuple(group), begins, ends))
+    big = _Reader(src, "", True, directory)._big_endian(records)
+    return TwinPlan(tuple((e.data_offset, e.size, e.name[cut:]) for e in entries),
+                    tuple(storages), big)
+
+
+def read_twin(src: Source, path: str, twin: FileMeta, directory: ZipDirectory,
+              crcs: tuple[int, ...], prefix: str, plan: TwinPlan | None = None) -> FileMeta:
+    """--deep of a file laid out as `directory`'s (another file's, zip_templates) whose records
+    torch reads hold the same bytes as that of `twin`, a deep FileMeta that found nothing: its
+    facts are twin's, so only this file's CRC32s (`crcs`, from its own directory) and values
+    are read. What read() would report, at the cost of the checks alone: with `plan` and the
+    file in memory, straight from memoryview slices of it."""
+    whole = src.buffer
+    if plan is not None and whole is not None and len(whole) == src.size and any(
+            crc for crc, (_, size, _) in zip(crcs, plan.entries, strict=True) if size):
+        return _read_planned(memoryview(whole), path, twin, crcs, prefix, plan)
+    cut = directory.entries[0].name.find("/") + 1
+    own = ZipDirectory(tuple(
+        ZipEntry(f"{prefix}/{e.name[cut:]}", e.method, crc, e.compressed_size, e.size,
+                 e.header_offset, e.data_offset)
+        for e, crc in zip(directory.entries, crcs, strict=True)),
+        directory.cd_offset, directory.trailing_bytes)
+    reader = _Reader(src, path, True, own)
+    records = {ascii_fold(e.name[len(prefix) + 1 :]): e for e in own.entries}
+    try:
+        nonfinite = reader._scan_storages(records, twin.tensors, reader._big_endian(records),
+                                          clip(f"{prefix}/"))
+        crc_errors = reader._crc_errors()
+    except OSError:
+        raise  # the dispatcher reports I/O failures as such
+    except Exception as exc:  # as read(): no traceback for input that slipped past a check
+        return FileMeta(path, src.size, TORCH_ZIP, deep=True,
+                        errors=(f"cannot read the archive ({type(exc).__name__}: {exc})",))
+    if not (nonfinite or crc_errors or reader.errors or reader.notes):
+        return twin.renamed(path)  # the same facts: whoever judges it may reuse twin's verdict
+    return dataclasses.replace(twin, path=path, nonfinite=nonfinite, crc_errors=crc_errors,
+                               errors=tuple(reader.errors), notes=tuple(reader.notes),
+                               mtime=0.0, same_as=None)
+
+
+def _read_planned(data: memoryview, path: str, twin: FileMeta, crcs: tuple[int, ...],
+                  prefix: str, plan: TwinPlan) -> FileMeta:
+    """read_twin for a planned twin whose file is all in `data`, with its CRC32s recorded."""
+    import numpy as np
+
+    crc32 = checksum.crc32
+    crc_errors = []
+    for (offset, size, rest), recorded in zip(plan.entries, crcs, strict=True):
+        actual = crc32(data[offset : offset + size])
+        if actual != recorded:
+            crc_errors.append(crc_mismatch(clip(f"{prefix}/{rest}"), recorded, actual))
+    counts: dict[int, int] = {}
+    for offset, size, dtype, group, begins, ends in plan.storages:
+        found = nonfinite_offsets(data[offset : offset + size], dtype, plan.big)
+        if found is not None:  # (rare) how many of them each tensor reaches
+            reached = np.searchsorted(found, ends) - np.searchsorted(found, begins)
+            for i, n in zip(group, reached.tolist(), strict=True):
+                counts[i] = n
+    nonfinite = tuple((twin.tensors[i].path, counts[i]) for i in sorted(counts) if counts[i])
+    if not (nonfinite or crc_errors):
+        return twin.renamed(path)  # the same facts: whoever judges it may reuse twin's verdict
+    return dataclasses.replace(twin, path=path, nonfinite=nonfinite, crc_errors=tuple(crc_errors),
+                               mtime=0.0, same_as=None)
 
 
 class _Reader:
@@ -285,10 +386,7 @@ class _Reader:
                 dense.setdefault(meta.dtype, []).append(i)
             else:
                 strided.append(i)
-        bounds = {dtype: (np.array([tensors[i].extent()[0] for i in group], np.int64),
-                          np.array([tensors[i].extent()[1] for i in group], np.int64),
-                          np.zeros(len(group), np.int64))  # NaN/Inf found so far
-                  for dtype, group in dense.items()}
+        bounds: dict[str, tuple] = {}  # dtype -> its tensors' extents, once a chunk has NaN/Inf
         stored = record.method == STORED
         if stored:  # strided views are read from the file afterwards, as without CRCs
             held_from = held_to = 0
@@ -308,11 +406,13 @@ class _Reader:
         crc, pos = 0, 0
         for chunk in entry_chunks(self.src, record, stop=stop):
             if check_crc:
-                crc = zlib.crc32(chunk, crc)
+                crc = checksum.crc32(chunk, crc)
             end = pos + len(chunk)
-            for dtype, (begins, ends, found_so_far) in bounds.items():
+            for dtype, group in dense.items():
                 found = nonfinite_offsets(chunk, dtype, big)  # None: none (nearly always)
                 if found is not None:
+                    begins, ends, found_so_far = bounds.get(dtype) or bounds.setdefault(
+                        dtype, _extents(tensors, group))
                     found += pos
                     lo, hi = np.clip(begins, pos, end), np.clip(ends, pos, end)
                     found_so_far += np.searchsorted(found, hi) - np.searchsorted(found, lo)
@@ -321,7 +421,7 @@ class _Reader:
             pos = end
         if check_crc:
             self._crc[record] = crc
-        for dtype, (_, _, found_so_far) in bounds.items():
+        for dtype, (_, _, found_so_far) in bounds.items():  # (the rest found none)
             for i, n in zip(dense[dtype], found_so_far.tolist(), strict=True):
                 counts[i] = n
         if stored:
@@ -372,3 +472,12 @@ class _Reader:
                         unsafe_globals=tuple(self.unsafe), errors=tuple(self.errors),
                         crc_errors=crc_errors, notes=tuple(self.notes), deep=self.deep, **fields)
 
+
+def _extents(tensors: tuple[TensorMeta, ...], group: list[int]) -> tuple:
+    """(begins, ends, zeros) of the tensors `group` names, as numpy arrays: the NaN/Inf each
+    holds is counted into the zeros by a binary search of each chunk's offsets."""
+    import numpy as np
+
+    return (np.array([tensors[i].extent()[0] for i in group], np.int64),
+            np.array([tensors[i].extent()[1] for i in group], np.int64),
+            np.zeros(len(group), np.int64))

@@ -14,7 +14,7 @@ windows the source keeps (source.py), when every byte between them is payload. t
 data.pkl and the small records first and the central directory last, so a file of one large
 storage qualifies.
 A file that matches is still read by the torch reader (data.pkl, the version record), unless it
-is a twin (below); --deep never uses templates, since CRCs are what it checks.
+is a twin (below).
 
 A template also keeps the sound FileMetas of its files, by the bytes of the records the torch
 reader reads (torch_zip.READ_RECORDS: data.pkl, version, byteorder). Those and the directory
@@ -22,6 +22,11 @@ are all a read without --deep looks at, so a file that matches the layout and ho
 bytes in them (a cache of one shape and dtype, bare tensors above all) has that same FileMeta
 but for its path: the reader is skipped too. (Records it never reads, such as the
 serialization_id torch makes unique per save, may differ.)
+
+With --deep a twin's facts stand too, but every entry's CRC32 (this file's own, from its
+central directory) and every tensor's values are still read (torch_zip.read_twin); only a
+file whose deep read found nothing at all (no CRC error, no NaN/Inf, no note) is kept as a twin
+then, and a deep twin serves only deep reads.
 """
 
 from __future__ import annotations
@@ -44,15 +49,18 @@ CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
 class Template:
-    __slots__ = ("directory", "patterns", "records", "spans", "twins")
+    __slots__ = ("crc_offsets", "directory", "patterns", "plans", "records", "spans", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
-                 directory: ZipDirectory, records: tuple[tuple[int, int], ...]) -> None:
+                 directory: ZipDirectory, records: tuple[tuple[int, int], ...],
+                 crc_offsets: tuple[int, ...] = ()) -> None:
         self.patterns = patterns  # (offset, length, pattern) of each span that decides a layout
         self.spans = tuple((at, n) for at, n, _ in patterns)
         self.directory = directory
         self.records = records  # (start, end) in the file of each record the reader reads
         self.twins: dict[bytes, FileMeta] = {}  # by record_bytes(): a sound file's FileMeta
+        self.crc_offsets = crc_offsets  # where each entry's CRC32 sits in the central directory
+        self.plans: dict[bytes, object] = {}  # by record_bytes(): a deep twin's TwinPlan, or None
 
     def prefix(self, windows: tuple[Window, ...]) -> str | None:
         """This file's archive prefix if the bytes in `windows` match the layout, else None
@@ -81,15 +89,36 @@ class Template:
             parts.append(data[start - base : end - base] if data is not None else b"")
         return b"".join(parts)
 
-    def twin(self, records: bytes, path: str) -> FileMeta | None:
-        """The FileMeta of the file at `path` if a file with these record bytes was read."""
+    def twin(self, records: bytes, path: str, deep: bool = False) -> FileMeta | None:
+        """The FileMeta of the file at `path` if a file with these record bytes was read (with
+        `deep`: the deep FileMeta of that file, for torch_zip.read_twin, not renamed)."""
         known = self.twins.get(records)
-        return None if known is None else known.renamed(path)
+        if known is None or known.deep != deep:
+            return None
+        return known if deep else known.renamed(path)
 
     def learn(self, records: bytes, meta: FileMeta) -> None:
-        """Keep the FileMeta of a file of this layout that read sound."""
+        """Keep the FileMeta of a file of this layout that read sound (with --deep: that had
+        nothing at all to say)."""
+        if meta.deep and (meta.crc_errors or meta.nonfinite or meta.notes):
+            return
         if meta.ok and len(self.twins) < MAX_TWINS:
             self.twins[records] = meta
+
+    def crcs(self, windows: tuple[Window, ...]) -> tuple[int, ...] | None:
+        """The CRC32 the central directory records for each entry of a file that matched this
+        layout, in directory order; None when the windows miss one."""
+        base, data = windows[0]
+        offsets = self.crc_offsets  # (ascending: the directory's entries in order)
+        if base == 0 and offsets and offsets[-1] + 4 <= len(data):  # the whole file: no search
+            return tuple(int.from_bytes(data[at : at + 4], "little") for at in self.crc_offsets)
+        found = []
+        for at in self.crc_offsets:
+            data, base = _holding(windows, at, 4)
+            if data is None:
+                return None
+            found.append(int.from_bytes(data[at - base : at - base + 4], "little"))
+        return tuple(found)
 
 
 def _holding(windows: tuple[Window, ...], at: int, n: int) -> tuple[bytes | None, int]:
@@ -209,11 +238,13 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
             at = end + 4 if _bytes_at(windows, end, 4) == DESCRIPTOR_SIG else end
             holes.append((at, at + 4, "any"))
     pos = directory.cd_offset
+    crc_offsets = []
     for _ in directory.entries:
         if _bytes_at(windows, pos, 4) != b"PK\x01\x02":
             return None
         nlen, xlen, clen = struct.unpack("<HHH", _bytes_at(windows, pos + 28, 6))
         holes.append((pos + 16, pos + 20, "any"))  # CRC
+        crc_offsets.append(pos + 16)
         holes.append((pos + CD_FIXED, pos + CD_FIXED + prefix_len, "prefix"))
         pos += CD_FIXED + nlen + xlen + clen
     holes.sort()
@@ -254,4 +285,4 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
         patterns.append((at, n, re.compile(b"".join(parts), re.DOTALL)))
     records = tuple((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
                     if e.name[cut:] in READ_RECORDS)
-    return Template(tuple(patterns), directory, records)
+    return Template(tuple(patterns), directory, records, tuple(crc_offsets))

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cachedoctor.formats.source import WINDOW, Source
+from cachedoctor.formats import crc
+from cachedoctor.formats.source import WINDOW, Source, view
 
 EOCD_SIG = b"PK\x05\x06"
 ZIP64_LOCATOR_SIG = b"PK\x06\x07"
@@ -267,7 +268,8 @@ def read_entry(src: Source, entry: ZipEntry, limit: int | None = None) -> bytes:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def entry_chunks(src: Source, entry: ZipEntry, stop: int | None = None) -> Iterator[bytes]:
+def entry_chunks(src: Source, entry: ZipEntry, stop: int | None = None
+                 ) -> Iterator[bytes | memoryview]:
     """The entry's uncompressed bytes in CHUNK-sized pieces (the last one shorter): what
     --deep streams, so that no entry is ever whole in memory. Every piece starts at a
     multiple of CHUNK, so it holds whole elements of any dtype.
@@ -285,8 +287,8 @@ def entry_chunks(src: Source, entry: ZipEntry, stop: int | None = None) -> Itera
     stop = entry.size if stop is None else max(0, min(stop, entry.size))
     pos = 0
     if entry.method == STORED:
-        while pos < stop:
-            chunk = src.pread(entry.data_offset + pos, min(CHUNK, stop - pos))
+        while pos < stop:  # (slices of the file's buffer when it is in memory: no copies)
+            chunk = view(src, entry.data_offset + pos, min(CHUNK, stop - pos))
             if not chunk:
                 return
             yield chunk
@@ -314,7 +316,7 @@ def _inflate_chunks(src: Source, entry: ZipEntry, stop: int, strict: bool) -> It
     try:
         while not inflater.eof:
             if not data and pos < end:
-                data = src.pread(pos, min(INFLATE_INPUT, end - pos))
+                data = view(src, pos, min(INFLATE_INPUT, end - pos))
                 pos += len(data)
             if not data:  # all the input is in: what zlib may still hold (a match's tail)
                 piece = inflater.decompress(b"", CHUNK - len(buf))
@@ -351,10 +353,12 @@ def _inflate_chunks(src: Source, entry: ZipEntry, stop: int, strict: bool) -> It
 def entry_crc(src: Source, entry: ZipEntry) -> int:
     """CRC32 of the entry's uncompressed bytes, read in chunks (never whole in memory);
     OversizedEntry as entry_chunks."""
-    crc = 0
+    if entry.method == STORED and src.buffer is not None:  # in memory: one call, no copy
+        return crc.crc32(view(src, entry.data_offset, entry.size))
+    value = 0
     for chunk in entry_chunks(src, entry):
-        crc = zlib.crc32(chunk, crc)
-    return crc
+        value = crc.crc32(chunk, value)
+    return value
 
 
 def crc_mismatch(name: str, recorded: int, actual: int) -> str:
