@@ -81,6 +81,12 @@ def scan(
         help="A config file, or a TOML 'KEY = VALUE' override (repeatable).")] = None,
     isolated: Annotated[bool, typer.Option(help="Ignore every config file.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
+    index: Annotated[bool, typer.Option(
+        "--index/--no-index", help="Reuse the verdicts of unchanged files from the cache's index.")] = True,
+    rebuild_index: Annotated[bool, typer.Option("--rebuild-index", help="Start the index afresh.")] = False,
+    changed_since: Annotated[str | None, typer.Option(
+        metavar="RUN|TIME", help="File findings only for files changed since a scan or fix run id, "
+                                 "an ISO time or epoch seconds; dataset rules still see every file.")] = None,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
     from cachedoctor.reporters import reporter
@@ -99,7 +105,8 @@ def scan(
         policy = resolve_policy(
             select=select, extend_select=extend_select, ignore=ignore, exclude=exclude, deep=deep,
             fail_on=fail_on, baseline=baseline, jobs=jobs, config=config_file, isolated=isolated,
-            overrides=overrides, source="command line")
+            overrides=overrides, source="command line", index=index, rebuild_index=rebuild_index,
+            changed_since=changed_since)
         known = None
         if policy.baseline and write_baseline is None:
             known = baselines.Baseline.load(policy.baseline)
@@ -115,11 +122,12 @@ def scan(
             on_start=progress.start if progress else None,
             on_progress=progress.advance if progress else None,
         )
-    except TargetError as exc:
+    except (TargetError, configuration.ConfigError) as exc:
         raise fail(str(exc)) from None
     finally:
         if progress:
             progress.stop()
+    _index_lines(report.index)
     report = dataclasses.replace(report, policy=policy.applied)
     _policy_lines(policy.applied, detail=fmt == "text")
     if write_baseline is not None:
@@ -138,6 +146,20 @@ def scan(
         report = result.report
     _emit(report, chosen, output, verbose)
     raise typer.Exit(0 if write_baseline is not None else report.exit_code(policy.fail_on))
+
+
+def _index_lines(used) -> None:
+    """On stderr: the index's notices, and what it saved once it saved something (or what
+    --changed-since judged)."""
+    for notice in used.get("notices", ()):
+        typer.echo(f"cachedoctor: {notice}", err=True)
+    if used.get("reused") or "judged" in used:
+        line = f"cachedoctor: index: {used['read']:,} files read, {used['reused']:,} reused"
+        if "judged" in used:
+            line += f"; file rules judged the {used['judged']:,} changed since --changed-since"
+        if "scan" in used:
+            line += f" (scan {used['scan']})"
+        typer.echo(line, err=True)
 
 
 def _hidden_guards(before, after, path: str) -> None:
@@ -196,7 +218,8 @@ def _check_jobs(jobs: int | None) -> None:
 
 
 def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
-                 exclude: list[str] | None, jobs: int | None) -> ScanOptions:
+                 exclude: list[str] | None, jobs: int | None, index: bool = True,
+                 rebuild_index: bool = False) -> ScanOptions:
     """fix's ScanOptions: the same config files and layering as scan's, with fix's flags on top."""
     from cachedoctor import config as configuration
     from cachedoctor.api import resolve_policy
@@ -204,7 +227,8 @@ def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
     _check_jobs(jobs)
     try:
         policy = resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
-                                jobs=jobs, source="command line")
+                                jobs=jobs, source="command line", index=index,
+                                rebuild_index=rebuild_index)
     except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
     _policy_lines(policy.applied, detail=True)
@@ -321,6 +345,9 @@ def fix(
                                             "or of every cache you fixed) and exit.")] = False,
     jobs: Annotated[int | None, typer.Option("-j", "--jobs", metavar="N", help="Scan worker processes.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every file of the plan.")] = False,
+    index: Annotated[bool, typer.Option(
+        "--index/--no-index", help="Reuse the scan's verdicts of unchanged files from the cache's index.")] = True,
+    rebuild_index: Annotated[bool, typer.Option("--rebuild-index", help="Start the index afresh.")] = False,
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
 
@@ -353,7 +380,7 @@ def fix(
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file, a trainer config or project folder), "
                    "or --list-runs")
-    options = _fix_options(deep, select, ignore, exclude, jobs)
+    options = _fix_options(deep, select, ignore, exclude, jobs, index, rebuild_index)
     if encoder is not None and not reencode:
         raise fail("--encoder is for --reencode")
     chosen = None

@@ -32,6 +32,7 @@ file's record (`record`), so SQLite is never written from many processes of one 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -46,6 +47,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from cachedoctor import __version__
+from cachedoctor.config import ConfigError
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
@@ -72,8 +74,9 @@ CREATE TABLE IF NOT EXISTS scans (
 """
 
 
-class SinceError(ValueError):
-    """A --changed-since value that is no time, and no scan or repair run on record."""
+class SinceError(ConfigError):
+    """A --changed-since value that is no time, and no scan or repair run on record (a usage
+    error, as a bad option is)."""
 
 
 # -- what a worker sends back per file ---------------------------------------------------------
@@ -304,10 +307,8 @@ def _locked(exc: sqlite3.Error) -> bool:
 
 def _remove(path: str) -> None:
     for name in (path, path + "-wal", path + "-shm", path + "-journal"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
-        except FileNotFoundError:
-            pass
 
 
 def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Connection | None, str | None]:
