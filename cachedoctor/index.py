@@ -191,8 +191,14 @@ def code_stamp() -> str:
     import cachedoctor
     import cachedoctor.checks
 
-    digest = hashlib.sha256(__version__.encode())
-    for top in (os.path.dirname(cachedoctor.__file__), *cachedoctor.checks.__path__):
+    return source_digest(__version__, (os.path.dirname(cachedoctor.__file__),
+                                       *cachedoctor.checks.__path__))
+
+
+def source_digest(version: str, tops: Iterable[str]) -> str:
+    """A hash of `version` and every .py file under `tops` (names and bytes)."""
+    digest = hashlib.sha256(version.encode())
+    for top in tops:
         for folder, dirs, names in sorted(os.walk(top)):
             dirs.sort()
             for name in sorted(n for n in names if n.endswith(".py")):
@@ -275,8 +281,18 @@ def places(root: str) -> list[str]:
     return [os.path.join(root, STATE_DIR, NAME), os.path.join(user_dir(), f"{key}.sqlite")]
 
 
-def _connect(path: str) -> sqlite3.Connection:
+def _refuse_links(path: str, in_cache: bool) -> None:
+    """SQLite follows links, and a rebuild deletes: a cache someone else made could point its
+    index, or its .cachedoctor/, at any file."""
+    names = (path, path + "-wal", path + "-shm", path + "-journal")
+    for link in ((os.path.dirname(path),) if in_cache else ()) + names:
+        if os.path.islink(link):
+            raise PermissionError(f"{link} is a symlink")
+
+
+def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
     folder = os.path.dirname(path)
+    _refuse_links(path, in_cache)
     if not os.path.isdir(folder):
         os.makedirs(folder, mode=0o755, exist_ok=True)
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
@@ -315,11 +331,12 @@ def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Conne
     """The index of `root`, at the first of its places that works: a corrupt one is rebuilt,
     a locked one skipped (with a notice each); (None, None) when none can be used."""
     problems = []
-    for path in places(root):
+    for n, path in enumerate(places(root)):
         try:
             if rebuild:
+                _refuse_links(path, n == 0)
                 _remove(path)
-            return _connect(path), path
+            return _connect(path, n == 0), path
         except sqlite3.Error as exc:
             if _locked(exc):
                 notices.append(f"index {path} is locked by another process ({exc}): "
@@ -327,7 +344,7 @@ def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Conne
                 return None, None
             try:  # not a database, or not ours: start it afresh
                 _remove(path)
-                db = _connect(path)
+                db = _connect(path, n == 0)
             except (sqlite3.Error, OSError) as again:
                 problems.append(f"{path}: {again}")
                 continue
