@@ -485,6 +485,7 @@ class Session:
         racy = self.started - RACY_NS
         for path, name, st, recorded in stamped:
             old = st is not None and self.since is not None and max(st[1], st[4]) < self.since
+            self.unjudged += old
             row = rows.get(path) if recorded else None
             if row is not None and row[:5] == st and row[5] == scope:
                 try:
@@ -496,9 +497,7 @@ class Session:
                 else:
                     reused.files += 1
                     reused.bytes += row[6]
-                    if old:
-                        self.unjudged += 1
-                    else:
+                    if not old:
                         reused.findings.extend(found)
                     if summary is not None:
                         summaries.append(summary)
