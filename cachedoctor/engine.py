@@ -114,6 +114,12 @@ class ScanState:
     datasets: Mapping[str, Dataset]
     templates: Templates = dataclasses.field(default_factory=Templates)
     verdicts: dict[tuple, _Verdict] = dataclasses.field(default_factory=dict)
+    scopes: Callable[[Batch], str] | None = None  # the index's scope stamps, made on first use
+
+    def scope(self, batch: Batch) -> str:
+        if self.scopes is None:
+            self.scopes = index.scope_stamps(self.options, self.rules, self.datasets)
+        return self.scopes(batch)
 
 
 def check_batch(batch: Batch, state: ScanState) -> ChunkResult:
@@ -145,7 +151,7 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     nbytes = files = 0
     options, datasets, verdicts, templates = (state.options, state.datasets, state.verdicts,
                                               state.templates)
-    recording = options.index
+    scope = state.scope(batch) if options.index else ""
     checks = [(r.code, r.check_file) for r in state.rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
@@ -157,8 +163,9 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     for entry, given in sharded.expand(batch.entries(options.exclude), deep):
         files += 1
         found_before = len(findings)
-        recorded = recording and given is None and index.recordable(entry.role, batch.area,
-                                                                     entry.path[cut:])
+        stat = None
+        if scope and given is None and index.recordable(entry.role, batch.area, entry.path[cut:]):
+            stat = index.stat_key(entry.path)  # before reading: a later change shows next scan
         if entry.area == "cache" and entry.role not in (LATENT, TEXT):
             if beside is None:
                 beside = naming.images_belong()
@@ -203,8 +210,9 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             coverage.append(row)
         if summary is not None:
             summaries.append(summary)
-        if recorded and not crashed and meta.format != UNREADABLE:  # an I/O error may pass
-            records.append(index.record(entry.path, meta.size, findings[found_before:], summary, row))
+        if stat is not None and not crashed and meta.format != UNREADABLE:  # an I/O error may pass
+            records.append(index.record(entry.path, stat, scope, meta.size, findings[found_before:],
+                                        summary, row))
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
                        paths, coverage, records)
 

@@ -51,11 +51,11 @@ from cachedoctor.config import ConfigError
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
-from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, excluded
+from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch
 from cachedoctor.summary import CoverageRow, FileSummary, encode
 
 NAME = "index.sqlite"
-SCHEMA = "1"
+SCHEMA = "2"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
 COMMIT_EVERY = 4096  # rows per write transaction
@@ -66,8 +66,10 @@ _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS files (
     path BLOB PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER,
-    ctime_ns INTEGER, scope TEXT, bytes INTEGER, summary TEXT, coverage TEXT, findings TEXT
+    ctime_ns INTEGER, scope INTEGER, bytes INTEGER, summary INTEGER, findings INTEGER,
+    side INTEGER, key TEXT, flag INTEGER, note TEXT
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT UNIQUE);
 CREATE TABLE IF NOT EXISTS scans (
     id TEXT PRIMARY KEY, started_ns INTEGER, finished_ns INTEGER, files INTEGER, reused INTEGER
 );
@@ -82,26 +84,30 @@ class SinceError(ConfigError):
 # -- what a worker sends back per file ---------------------------------------------------------
 
 class Record(NamedTuple):
-    """One file's verdict, encoded for a row (JSON text; None where there is nothing)."""
+    """One file's verdict, for a row: its stat (taken before it was read), its scope stamp,
+    and JSON texts that many files share (stored once each, in the `texts` table)."""
 
     path: str
+    stat: tuple[int, int, int, int, int]  # size, mtime_ns, ino, dev, ctime_ns
+    scope: str
     bytes: int
-    summary: str | None
-    coverage: str | None
+    summary: str | None  # the summary but for its path and mtime
     findings: str | None
+    coverage: tuple[int, str | None, int, str | None] | None  # side, key, flag, note
 
 
-def record(path: str, size: int, findings: list[Finding], summary: FileSummary | None,
+def record(path: str, stat: tuple[int, int, int, int, int], scope: str, size: int,
+           findings: list[Finding], summary: FileSummary | None,
            coverage: CoverageRow | None) -> Record | None:
     """The record of one file (in the worker), or None when some value has no exact JSON form
     (then the file is simply read again next time)."""
     try:
         return Record(
-            path, size,
-            _dumps(summary[1:]) if summary is not None else None,
-            _dumps((coverage.side, coverage.key, coverage.mtime, coverage.flag, coverage.note))
-            if coverage is not None else None,
-            _dumps([_finding_row(f, path) for f in findings]) if findings else None)
+            path, stat, scope, size,
+            _dumps(summary[1:6] + summary[7:]) if summary is not None else None,
+            _dumps([_finding_row(f, path) for f in findings]) if findings else None,
+            (coverage.side, coverage.key, coverage.flag, coverage.note)
+            if coverage is not None else None)
     except (TypeError, ValueError, RecursionError):
         return None
 
@@ -165,21 +171,16 @@ def _tuple(value: Any) -> tuple | None:
     return None if value is None else tuple(value)
 
 
-def _summary(text: str, path: str) -> FileSummary:
-    (dataset, bucket, role, fmt, size, mtime, shape, dtype, signature, locations, expected,
-     family, group) = json.loads(text)
-    if not isinstance(role, str) or not isinstance(fmt, str) or type(size) is not int:
+def _template(text: str) -> tuple[tuple, tuple]:
+    """A stored summary as the fields before and after its mtime (its path goes first)."""
+    (dataset, bucket, role, fmt, size, shape, dtype, signature, locations, expected, family,
+     group) = json.loads(text)
+    if not all(isinstance(v, str) for v in (role, fmt)) or type(size) is not int or \
+            not all(v is None or isinstance(v, str) for v in (dataset, bucket, dtype, family, group)):
         raise ValueError("not a summary")
-    return FileSummary(path, dataset, bucket, role, fmt, size, mtime, _tuple(shape), dtype,
-                       tuple(map(tuple, signature)), tuple(locations), _tuple(expected), family,
-                       group)
-
-
-def _coverage(text: str, dataset: str, path: str) -> CoverageRow:
-    side, key, mtime, flag, note = json.loads(text)
-    if type(side) is not int or type(flag) is not int:
-        raise ValueError("not a coverage row")
-    return CoverageRow(dataset, side, key, path, mtime, flag, note)
+    return ((dataset, bucket, role, fmt, size),
+            (_tuple(shape), dtype, tuple(map(tuple, signature)), tuple(locations),
+             _tuple(expected), family, group))
 
 
 # -- stamps ------------------------------------------------------------------------------------
@@ -426,15 +427,25 @@ def recordable(role: str, area: str, name: str) -> bool:
 
 
 _STAT = tuple[int, int, int, int, int]
+MEMO = 65_536  # decoded texts kept per scan (a cache's files share a few summaries)
 
 
-def _key(st: os.stat_result) -> _STAT:
+def stat_key(path: str) -> _STAT | None:
+    """What a row is keyed on besides the path; None when the file cannot be stat'ed (its
+    reader says why)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
 class Session:
     """One scan's use of an index (`db`, or none: then only --changed-since applies): splits
-    each batch into the files it can reuse and those to read, and records what was read."""
+    each batch into the files it can reuse and those to read, and records what was read.
+
+    Only files that have a row are stat'ed here (a first scan stats nothing more than a scan
+    without the index: the workers stat each file they record, before reading it)."""
 
     def __init__(self, db: sqlite3.Connection | None, where: str | None,
                  stamp: Callable[[Batch], str], exclude: tuple[str, ...], keep_paths: bool,
@@ -446,9 +457,12 @@ class Session:
         self.scan_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(2)
         self.reused = 0
         self.unjudged = 0  # files unchanged since --changed-since: their file findings left out
-        self.pending: dict[str, tuple[_STAT, str]] = {}  # read now, to record when they come back
         self.old: set[str] = set()  # files being read that did not change since --changed-since
-        self.rows: list[tuple] = []
+        self.rows: list[Record] = []
+        self.ids: dict[str, int] = {}  # text -> its id in `texts`
+        self.texts: dict[int, str] = {}  # id -> text, read back
+        self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
+        self.found: dict[int, list] = {}  # findings id -> decoded rows
 
     def split(self, batches: Iterable[Batch], on_reused: Callable[[Reused], None]) -> Iterator[Batch]:
         """The files of `batches` to read; `on_reused` gets the verdicts of the others."""
@@ -464,37 +478,29 @@ class Session:
         reused = Reused()
         head = os.path.join(batch.directory, "")
         cut = len(head)
-        stamped: list[tuple[str, str, _STAT | None, bool]] = []  # (path, name, stat, recorded)
-        for entry in batch._replace(errors=()).entries():
-            name = entry.path[cut:]
-            if self.exclude and excluded(entry.path, self.exclude):
-                continue
-            recorded = recordable(entry.role, batch.area, name)
-            st = None
-            if recorded or self.since is not None:
-                try:
-                    st = _key(os.stat(entry.path))
-                except OSError:
-                    recorded = False  # the reader reports why
-            stamped.append((entry.path, name, st, recorded))
-        rows = self._lookup([path for path, _, _, recorded in stamped if recorded])
-        scope = self.stamp(batch)
+        listed: list[tuple[str, bool]] = []  # (path, recorded)
+        for entry in batch._replace(errors=()).entries(self.exclude):
+            listed.append((entry.path, recordable(entry.role, batch.area, entry.path[cut:])))
+        rows = self._lookup([path for path, recorded in listed if recorded])
+        scope = self._id(self.stamp(batch), write=False) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
-        dataset = batch.dataset or ""
-        racy = self.started - RACY_NS
-        for path, name, st, recorded in stamped:
-            old = st is not None and self.since is not None and max(st[1], st[4]) < self.since
-            self.unjudged += old
-            row = rows.get(path) if recorded else None
-            if row is not None and row[:5] == st and row[5] == scope:
+        since = self.since
+        for path, _ in listed:
+            row = rows.get(path)
+            st = None
+            if row is not None or since is not None:
                 try:
-                    found = [_finding(f, path) for f in json.loads(row[9])] if row[9] else []
-                    summary = _summary(row[7], path) if row[7] else None
-                    coverage = _coverage(row[8], dataset, path) if row[8] else None
-                except Exception:  # written by something else: read the file again
-                    pass
-                else:
+                    st = os.stat(path)
+                except OSError:
+                    row = None
+            old = since is not None and st is not None and max(st.st_mtime_ns, st.st_ctime_ns) < since
+            self.unjudged += old
+            if row is not None and row[5] == scope and row[:5] == (
+                    st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns):
+                verdict = self._verdict(row, path, batch.dataset or "", st.st_mtime)
+                if verdict is not None:
+                    found, summary, coverage = verdict
                     reused.files += 1
                     reused.bytes += row[6]
                     if not old:
@@ -506,16 +512,41 @@ class Session:
                     if self.keep_paths:
                         reused.paths.append(path)
                     continue
-            keep.append(name)
-            if recorded and st is not None and st[1] < racy:
-                self.pending[path] = (st, scope)
+            keep.append(path[cut:])
             if old:
                 self.old.add(path)
         if summaries:
             reused.summaries.append(encode(batch.dataset, summaries))
         return keep, reused
 
+    def _verdict(self, row: tuple, path: str, dataset: str, mtime: float
+                 ) -> tuple[list[Finding], FileSummary | None, CoverageRow | None] | None:
+        """A row's findings, summary and coverage row, or None when it does not decode (written
+        by something else: the file is read again)."""
+        try:
+            summary = coverage = None
+            if row[7] is not None:
+                template = self.templates.get(row[7])
+                if template is None:
+                    template = self.templates[row[7]] = _template(self.texts[row[7]])
+                summary = FileSummary(path, *template[0], mtime, *template[1])
+            found: list[Finding] = []
+            if row[8] is not None:
+                rows = self.found.get(row[8])
+                if rows is None:
+                    rows = self.found[row[8]] = json.loads(self.texts[row[8]])
+                found = [_finding(f, path) for f in rows]
+            if row[9] is not None:
+                side, key, flag, note = row[9:13]
+                if type(side) is not int or type(flag) is not int:
+                    raise ValueError("not a coverage row")
+                coverage = CoverageRow(dataset, side, key, path, mtime, flag, note)
+        except Exception:
+            return None
+        return found, summary, coverage
+
     def _lookup(self, paths: list[str]) -> dict[str, tuple]:
+        """The rows of `paths` (and the texts they name, into self.texts)."""
         if self.db is None or not paths:
             return {}
         found = {}
@@ -525,11 +556,39 @@ class Session:
                 marks = ",".join("?" * len(chunk))
                 for row in self.db.execute(
                         "SELECT path, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
-                        f"coverage, findings FROM files WHERE path IN ({marks})", chunk):
+                        f"findings, side, key, flag, note FROM files WHERE path IN ({marks})", chunk):
                     found[os.fsdecode(row[0])] = row[1:]
+            wanted = {i for row in found.values() for i in (row[7], row[8])
+                      if i is not None and i not in self.texts}
+            if wanted:
+                if len(self.texts) > MEMO:
+                    self.texts.clear()
+                    self.templates.clear()
+                    self.found.clear()
+                ids = sorted(wanted)
+                for start in range(0, len(ids), LOOKUP_CHUNK):
+                    chunk = ids[start:start + LOOKUP_CHUNK]
+                    self.texts.update(self.db.execute(
+                        f"SELECT id, text FROM texts WHERE id IN ({','.join('?' * len(chunk))})",
+                        chunk))
         except (sqlite3.Error, TypeError, ValueError) as exc:
             self._drop(f"cannot read the index {self.where} ({exc}): reading every file")
             return {}
+        return found
+
+    def _id(self, text: str, write: bool = True) -> int | None:
+        """The id of `text` in `texts`; a new one (in the open write transaction) when `write`."""
+        found = self.ids.get(text)
+        if found is None and self.db is not None:
+            row = self.db.execute("SELECT id FROM texts WHERE text = ?", (text,)).fetchone()
+            if row is None:
+                if not write:
+                    return None
+                row = (self.db.execute("INSERT INTO texts (text) VALUES (?)", (text,)).lastrowid,)
+            found = row[0]
+            if len(self.ids) > MEMO:
+                self.ids.clear()
+            self.ids[text] = found
         return found
 
     def judged(self, findings: list[Finding]) -> list[Finding]:
@@ -540,31 +599,36 @@ class Session:
         return [f for f in findings if f.path not in self.old]
 
     def store(self, records: Iterable[Record | None]) -> None:
-        """Record the verdicts of files just read (written in batches of COMMIT_EVERY)."""
+        """Record the verdicts of files just read (written in batches of COMMIT_EVERY). A file
+        modified less than RACY_NS before the scan began is not recorded."""
+        racy = self.started - RACY_NS
         for rec in records:
             if rec is None:
                 continue
-            self.old.discard(rec.path)
-            held = self.pending.pop(rec.path, None)
-            if held is None or self.db is None:
-                continue
-            st, scope = held
-            self.rows.append((os.fsencode(rec.path), *st, scope, rec.bytes, rec.summary,
-                              rec.coverage, rec.findings))
+            if self.old:
+                self.old.discard(rec.path)
+            if self.db is not None and rec.stat[1] < racy:
+                self.rows.append(rec)
         if len(self.rows) >= COMMIT_EVERY:
             self._flush()
 
     def _flush(self) -> None:
-        rows, self.rows = self.rows, []
-        if not rows or self.db is None:
+        records, self.rows = self.rows, []
+        if not records or self.db is None:
             return
+        ids = self._id
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                self.db.executemany("INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                                    rows)
+                rows = [(os.fsencode(r.path), *r.stat, ids(r.scope), r.bytes,
+                         None if r.summary is None else ids(r.summary),
+                         None if r.findings is None else ids(r.findings),
+                         *(r.coverage or (None, None, None, None))) for r in records]
+                self.db.executemany("INSERT OR REPLACE INTO files VALUES "
+                                    "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             except BaseException:
                 self.db.execute("ROLLBACK")
+                self.ids.clear()  # ids inserted in the transaction are gone
                 raise
             self.db.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -581,7 +645,6 @@ class Session:
         """Write what is left, record the scan (prune rows of files gone after a `full` scan
         when they are many) and say what the index did."""
         self._flush()
-        self.pending.clear()
         if self.db is not None:
             try:
                 self.db.execute("INSERT OR REPLACE INTO scans VALUES (?, ?, ?, ?, ?)",
@@ -602,7 +665,8 @@ class Session:
 
     def _prune(self, files: int) -> None:
         """Rows of files that are gone, once they outnumber the files a scan saw (an index
-        shared by scans of other targets keeps theirs: they still exist)."""
+        shared by scans of other targets keeps theirs: they still exist), and texts no row
+        names."""
         assert self.db is not None
         (rows,) = self.db.execute("SELECT count(*) FROM files").fetchone()
         if rows <= 2 * files + 10_000:
@@ -611,6 +675,8 @@ class Session:
                 if not os.path.lexists(os.fsdecode(p))]
         self.db.execute("BEGIN IMMEDIATE")
         self.db.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in gone])
+        self.db.execute("DELETE FROM texts WHERE id NOT IN (SELECT scope FROM files UNION "
+                        "SELECT summary FROM files UNION SELECT findings FROM files)")
         self.db.execute("COMMIT")
 
 
