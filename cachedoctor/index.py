@@ -51,23 +51,24 @@ from cachedoctor.config import ConfigError
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
-from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch
+from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, classify, excluded
 from cachedoctor.summary import CoverageRow, FileSummary, encode
 
 NAME = "index.sqlite"
-SCHEMA = "2"
+SCHEMA = "3"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
 COMMIT_EVERY = 4096  # rows per write transaction
-LOOKUP_CHUNK = 500  # paths per SELECT (SQLite allows 999 parameters in old builds)
+LOOKUP_CHUNK = 500  # names per SELECT (SQLite allows 999 parameters in old builds)
+WHOLE_DIR = 1024  # a first batch of fewer names than this is its whole directory (engine.BATCH)
 DIGEST = 16  # hex digits of a stamp
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS files (
-    path BLOB PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER,
+    dir BLOB, name BLOB, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER,
     ctime_ns INTEGER, scope INTEGER, bytes INTEGER, summary INTEGER, findings INTEGER,
-    side INTEGER, key TEXT, flag INTEGER, note TEXT
+    side INTEGER, key TEXT, flag INTEGER, note TEXT, PRIMARY KEY (dir, name)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT UNIQUE);
 CREATE TABLE IF NOT EXISTS scans (
@@ -440,6 +441,11 @@ def stat_key(path: str) -> _STAT | None:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
+def _split_path(path: str) -> tuple[bytes, bytes]:
+    directory, name = os.path.split(path)
+    return os.fsencode(directory), os.fsencode(name)
+
+
 class Session:
     """One scan's use of an index (`db`, or none: then only --changed-since applies): splits
     each batch into the files it can reuse and those to read, and records what was read.
@@ -463,6 +469,7 @@ class Session:
         self.texts: dict[int, str] = {}  # id -> text, read back
         self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
         self.found: dict[int, list] = {}  # findings id -> decoded rows
+        self.directory: str | None = None  # the directory of the last lookup
 
     def split(self, batches: Iterable[Batch], on_reused: Callable[[Reused], None]) -> Iterator[Batch]:
         """The files of `batches` to read; `on_reused` gets the verdicts of the others."""
@@ -477,17 +484,18 @@ class Session:
     def _split(self, batch: Batch) -> tuple[list[str], Reused]:
         reused = Reused()
         head = os.path.join(batch.directory, "")
-        cut = len(head)
-        listed: list[tuple[str, bool]] = []  # (path, recorded)
-        for entry in batch._replace(errors=()).entries(self.exclude):
-            listed.append((entry.path, recordable(entry.role, batch.area, entry.path[cut:])))
-        rows = self._lookup([path for path, recorded in listed if recorded])
+        area, exclude = batch.area, self.exclude
+        names = [n for n in batch.names if not (exclude and excluded(head + n, exclude))]
+        # (the role but for TEXT: a latent and a text file are both recorded)
+        rows = self._lookup(batch.directory, [n for n in names
+                                              if recordable(classify(n), area, n)])
         scope = self._id(self.stamp(batch), write=False) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
         since = self.since
-        for path, _ in listed:
-            row = rows.get(path)
+        for name in names:
+            path = head + name
+            row = rows.get(name)
             st = None
             if row is not None or since is not None:
                 try:
@@ -512,7 +520,7 @@ class Session:
                     if self.keep_paths:
                         reused.paths.append(path)
                     continue
-            keep.append(path[cut:])
+            keep.append(name)
             if old:
                 self.old.add(path)
         if summaries:
@@ -545,19 +553,31 @@ class Session:
             return None
         return found, summary, coverage
 
-    def _lookup(self, paths: list[str]) -> dict[str, tuple]:
-        """The rows of `paths` (and the texts they name, into self.texts)."""
-        if self.db is None or not paths:
+    def _lookup(self, directory: str, names: list[str]) -> dict[str, tuple]:
+        """The rows of `names` in `directory` (and the texts they name, into self.texts): the
+        whole directory's rows at once when this is its first batch and not a full one (a
+        big directory comes in several batches: those ask for their names)."""
+        if self.db is None or not names:
             return {}
         found = {}
+        folder = os.fsencode(directory)
+        columns = ("SELECT name, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
+                   "findings, side, key, flag, note FROM files WHERE dir = ?")
         try:
-            for start in range(0, len(paths), LOOKUP_CHUNK):
-                chunk = [os.fsencode(p) for p in paths[start:start + LOOKUP_CHUNK]]
-                marks = ",".join("?" * len(chunk))
-                for row in self.db.execute(
-                        "SELECT path, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
-                        f"findings, side, key, flag, note FROM files WHERE path IN ({marks})", chunk):
-                    found[os.fsdecode(row[0])] = row[1:]
+            if directory != self.directory and len(names) < WHOLE_DIR:
+                wanted = set(names)
+                for row in self.db.execute(columns, (folder,)):
+                    name = os.fsdecode(row[0])
+                    if name in wanted:
+                        found[name] = row[1:]
+            else:
+                for start in range(0, len(names), LOOKUP_CHUNK):
+                    chunk = [os.fsencode(n) for n in names[start:start + LOOKUP_CHUNK]]
+                    marks = ",".join("?" * len(chunk))
+                    for row in self.db.execute(f"{columns} AND name IN ({marks})",
+                                               (folder, *chunk)):
+                        found[os.fsdecode(row[0])] = row[1:]
+            self.directory = directory
             wanted = {i for row in found.values() for i in (row[7], row[8])
                       if i is not None and i not in self.texts}
             if wanted:
@@ -620,12 +640,12 @@ class Session:
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                rows = [(os.fsencode(r.path), *r.stat, ids(r.scope), r.bytes,
+                rows = [(*_split_path(r.path), *r.stat, ids(r.scope), r.bytes,
                          None if r.summary is None else ids(r.summary),
                          None if r.findings is None else ids(r.findings),
                          *(r.coverage or (None, None, None, None))) for r in records]
                 self.db.executemany("INSERT OR REPLACE INTO files VALUES "
-                                    "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+                                    "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             except BaseException:
                 self.db.execute("ROLLBACK")
                 self.ids.clear()  # ids inserted in the transaction are gone
@@ -671,10 +691,10 @@ class Session:
         (rows,) = self.db.execute("SELECT count(*) FROM files").fetchone()
         if rows <= 2 * files + 10_000:
             return
-        gone = [p for (p,) in self.db.execute("SELECT path FROM files")
-                if not os.path.lexists(os.fsdecode(p))]
+        gone = [(d, n) for d, n in self.db.execute("SELECT dir, name FROM files")
+                if not os.path.lexists(os.path.join(os.fsdecode(d), os.fsdecode(n)))]
         self.db.execute("BEGIN IMMEDIATE")
-        self.db.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in gone])
+        self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", gone)
         self.db.execute("DELETE FROM texts WHERE id NOT IN (SELECT scope FROM files UNION "
                         "SELECT summary FROM files UNION SELECT findings FROM files)")
         self.db.execute("COMMIT")

@@ -342,3 +342,11 @@ def test_the_api_takes_the_index_options(demo: Path) -> None:
     assert cachedoctor.scan(demo, isolated=True, jobs=1).index["reused"] == recordable(demo)
     report = cachedoctor.scan(demo, isolated=True, jobs=1, changed_since=time.time() + HOUR)
     assert report.index["judged"] == 0
+
+
+def test_a_big_directory_is_looked_up_by_name(demo: Path, monkeypatch) -> None:
+    monkeypatch.setattr(index, "WHOLE_DIR", 1)  # every batch asks for its names
+    scan(demo)
+    _truncate(demo / "latent_000.pt")
+    again = scan(demo)
+    assert same(again, fresh(demo)) and again.index["reused"] == recordable(demo) - 1
