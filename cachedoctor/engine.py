@@ -115,6 +115,7 @@ class ScanState:
     templates: Templates = dataclasses.field(default_factory=Templates)
     verdicts: dict[tuple, _Verdict] = dataclasses.field(default_factory=dict)
     scopes: Callable[[Batch], str] | None = None  # the index's scope stamps, made on first use
+    texts: dict = dataclasses.field(default_factory=dict)  # the index's summary texts (memo)
 
     def scope(self, batch: Batch) -> str:
         if self.scopes is None:
@@ -211,8 +212,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
         if summary is not None:
             summaries.append(summary)
         if stat is not None and not crashed and meta.format != UNREADABLE:  # an I/O error may pass
-            records.append(index.record(entry.path, stat, scope, meta.size, findings[found_before:],
-                                        summary, row))
+            records.append(index.record(batch.directory, entry.path[cut:], stat, scope, meta.size,
+                                        findings[found_before:], summary, row, state.texts))
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
                        paths, coverage, records)
 

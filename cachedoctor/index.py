@@ -51,7 +51,7 @@ from cachedoctor.config import ConfigError
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
-from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, classify, excluded
+from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, excluded
 from cachedoctor.summary import CoverageRow, FileSummary, encode
 
 NAME = "index.sqlite"
@@ -88,7 +88,8 @@ class Record(NamedTuple):
     """One file's verdict, for a row: its stat (taken before it was read), its scope stamp,
     and JSON texts that many files share (stored once each, in the `texts` table)."""
 
-    path: str
+    directory: str
+    name: str
     stat: tuple[int, int, int, int, int]  # size, mtime_ns, ino, dev, ctime_ns
     scope: str
     bytes: int
@@ -97,15 +98,24 @@ class Record(NamedTuple):
     coverage: tuple[int, str | None, int, str | None] | None  # side, key, flag, note
 
 
-def record(path: str, stat: tuple[int, int, int, int, int], scope: str, size: int,
-           findings: list[Finding], summary: FileSummary | None,
-           coverage: CoverageRow | None) -> Record | None:
+def record(directory: str, name: str, stat: tuple[int, int, int, int, int], scope: str,
+           size: int, findings: list[Finding], summary: FileSummary | None,
+           coverage: CoverageRow | None, memo: dict) -> Record | None:
     """The record of one file (in the worker), or None when some value has no exact JSON form
-    (then the file is simply read again next time)."""
+    (then the file is simply read again next time). `memo`: the scan's texts of the summaries
+    it met (most files of a cache share one)."""
+    path = os.path.join(directory, name)
     try:
+        text = None
+        if summary is not None:
+            facts = summary[1:6] + summary[7:]
+            text = memo.get(facts)
+            if text is None:
+                if len(memo) >= MEMO:
+                    memo.clear()
+                text = memo[facts] = _dumps(facts)
         return Record(
-            path, stat, scope, size,
-            _dumps(summary[1:6] + summary[7:]) if summary is not None else None,
+            directory, name, stat, scope, size, text,
             _dumps([_finding_row(f, path) for f in findings]) if findings else None,
             (coverage.side, coverage.key, coverage.flag, coverage.note)
             if coverage is not None else None)
@@ -441,11 +451,6 @@ def stat_key(path: str) -> _STAT | None:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
-def _split_path(path: str) -> tuple[bytes, bytes]:
-    directory, name = os.path.split(path)
-    return os.fsencode(directory), os.fsencode(name)
-
-
 class Session:
     """One scan's use of an index (`db`, or none: then only --changed-since applies): splits
     each batch into the files it can reuse and those to read, and records what was read.
@@ -470,6 +475,12 @@ class Session:
         self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
         self.found: dict[int, list] = {}  # findings id -> decoded rows
         self.directory: str | None = None  # the directory of the last lookup
+        self.empty = False  # no row at all (a first scan): nothing to look up
+        if db is not None:
+            try:
+                self.empty = db.execute("SELECT 1 FROM files LIMIT 1").fetchone() is None
+            except sqlite3.Error as exc:
+                self._drop(f"cannot read the index {where} ({exc}): reading every file")
 
     def split(self, batches: Iterable[Batch], on_reused: Callable[[Reused], None]) -> Iterator[Batch]:
         """The files of `batches` to read; `on_reused` gets the verdicts of the others."""
@@ -484,11 +495,9 @@ class Session:
     def _split(self, batch: Batch) -> tuple[list[str], Reused]:
         reused = Reused()
         head = os.path.join(batch.directory, "")
-        area, exclude = batch.area, self.exclude
+        exclude = self.exclude
         names = [n for n in batch.names if not (exclude and excluded(head + n, exclude))]
-        # (the role but for TEXT: a latent and a text file are both recorded)
-        rows = self._lookup(batch.directory, [n for n in names
-                                              if recordable(classify(n), area, n)])
+        rows = self._lookup(batch.directory, names)  # (only recordable files have rows)
         scope = self._id(self.stamp(batch), write=False) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
@@ -557,7 +566,7 @@ class Session:
         """The rows of `names` in `directory` (and the texts they name, into self.texts): the
         whole directory's rows at once when this is its first batch and not a full one (a
         big directory comes in several batches: those ask for their names)."""
-        if self.db is None or not names:
+        if self.db is None or not names or self.empty:
             return {}
         found = {}
         folder = os.fsencode(directory)
@@ -626,7 +635,7 @@ class Session:
             if rec is None:
                 continue
             if self.old:
-                self.old.discard(rec.path)
+                self.old.discard(os.path.join(rec.directory, rec.name))
             if self.db is not None and rec.stat[1] < racy:
                 self.rows.append(rec)
         if len(self.rows) >= COMMIT_EVERY:
@@ -640,7 +649,7 @@ class Session:
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                rows = [(*_split_path(r.path), *r.stat, ids(r.scope), r.bytes,
+                rows = [(os.fsencode(r.directory), os.fsencode(r.name), *r.stat, ids(r.scope), r.bytes,
                          None if r.summary is None else ids(r.summary),
                          None if r.findings is None else ids(r.findings),
                          *(r.coverage or (None, None, None, None))) for r in records]
