@@ -63,7 +63,7 @@ class ChunkResult:
     summaries: list[tuple[str, bytes]]  # (dataset, blob) rows of a SummaryStore
     paths: list[str]  # every file checked, when ScanOptions.keep_paths
     coverage: list[CoverageRow]
-    records: list[index.Record | None] = dataclasses.field(default_factory=list)  # options.index
+    records: index.Records | None = None  # each file's verdict, for the index (options.index)
 
 
 def selected_rules(options: ScanOptions) -> list[Rule]:
@@ -115,7 +115,7 @@ class ScanState:
     templates: Templates = dataclasses.field(default_factory=Templates)
     verdicts: dict[tuple, _Verdict] = dataclasses.field(default_factory=dict)
     scopes: Callable[[Batch], str] | None = None  # the index's scope stamps, made on first use
-    texts: dict = dataclasses.field(default_factory=dict)  # the index's summary texts (memo)
+    recorder: index.Recorder = dataclasses.field(default_factory=index.Recorder)
 
     def scope(self, batch: Batch) -> str:
         if self.scopes is None:
@@ -148,11 +148,11 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     summaries = []
     paths: list[str] = []
     coverage: list[CoverageRow] = []
-    records: list[index.Record | None] = []  # each file's verdict, for the index (the parent's)
     nbytes = files = 0
     options, datasets, verdicts, templates = (state.options, state.datasets, state.verdicts,
                                               state.templates)
     scope = state.scope(batch) if options.index else ""
+    folder = os.fsencode(batch.directory)
     checks = [(r.code, r.check_file) for r in state.rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
@@ -212,10 +212,10 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
         if summary is not None:
             summaries.append(summary)
         if stat is not None and not crashed and meta.format != UNREADABLE:  # an I/O error may pass
-            records.append(index.record(batch.directory, entry.path[cut:], stat, scope, meta.size,
-                                        findings[found_before:], summary, row, state.texts))
+            state.recorder.add(folder, entry.path[cut:], stat, scope, meta.size,
+                               findings[found_before:], summary, row, entry.path)
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
-                       paths, coverage, records)
+                       paths, coverage, state.recorder.take() if scope else None)
 
 
 def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,

@@ -55,7 +55,7 @@ from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, exclude
 from cachedoctor.summary import CoverageRow, FileSummary, encode
 
 NAME = "index.sqlite"
-SCHEMA = "3"
+SCHEMA = "4"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
 COMMIT_EVERY = 4096  # rows per write transaction
@@ -84,43 +84,67 @@ class SinceError(ConfigError):
 
 # -- what a worker sends back per file ---------------------------------------------------------
 
-class Record(NamedTuple):
-    """One file's verdict, for a row: its stat (taken before it was read), its scope stamp,
-    and JSON texts that many files share (stored once each, in the `texts` table)."""
-
-    directory: str
-    name: str
-    stat: tuple[int, int, int, int, int]  # size, mtime_ns, ino, dev, ctime_ns
-    scope: str
-    bytes: int
-    summary: str | None  # the summary but for its path and mtime
-    findings: str | None
-    coverage: tuple[int, str | None, int, str | None] | None  # side, key, flag, note
+def text_id(text: str) -> int:
+    """A text's id in the `texts` table: a 64-bit hash of it, so that a worker can name a text
+    without asking the index (and a row's scope is compared without a query)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8)
+                          .digest(), "little", signed=True)
 
 
-def record(directory: str, name: str, stat: tuple[int, int, int, int, int], scope: str,
-           size: int, findings: list[Finding], summary: FileSummary | None,
-           coverage: CoverageRow | None, memo: dict) -> Record | None:
-    """The record of one file (in the worker), or None when some value has no exact JSON form
-    (then the file is simply read again next time). `memo`: the scan's texts of the summaries
-    it met (most files of a cache share one)."""
-    path = os.path.join(directory, name)
-    try:
-        text = None
-        if summary is not None:
-            facts = summary[1:6] + summary[7:]
-            text = memo.get(facts)
-            if text is None:
-                if len(memo) >= MEMO:
-                    memo.clear()
-                text = memo[facts] = _dumps(facts)
-        return Record(
-            directory, name, stat, scope, size, text,
-            _dumps([_finding_row(f, path) for f in findings]) if findings else None,
-            (coverage.side, coverage.key, coverage.flag, coverage.note)
-            if coverage is not None else None)
-    except (TypeError, ValueError, RecursionError):
-        return None
+class Records(NamedTuple):
+    """What a worker sends back for the index: a row per file read (the `files` table's
+    columns) and the texts those rows name that it has not sent before."""
+
+    rows: list[tuple]
+    texts: list[tuple[int, str]]
+
+
+class Recorder:
+    """A worker's side of the index (one per ScanState): each file's verdict as a row, with
+    the JSON texts that many files share (a summary but for its path and mtime) made once."""
+
+    def __init__(self) -> None:
+        self.memo: dict[tuple, int] = {}  # a summary's facts -> its text's id
+        self.sent: set[int] = set()
+        self.rows: list[tuple] = []
+        self.texts: list[tuple[int, str]] = []
+
+    def _text(self, text: str) -> int:
+        found = text_id(text)
+        if found not in self.sent:
+            if len(self.sent) >= MEMO:
+                self.sent.clear()
+            self.sent.add(found)
+            self.texts.append((found, text))
+        return found
+
+    def add(self, directory: bytes, name: str, stat: tuple[int, int, int, int, int], scope: str,
+            size: int, findings: list[Finding], summary: FileSummary | None,
+            coverage: CoverageRow | None, path: str) -> None:
+        """Record one file; nothing when some value has no exact JSON form (the file is then
+        read again next time)."""
+        try:
+            summary_id = None
+            if summary is not None:
+                facts = summary[1:6] + summary[7:]
+                summary_id = self.memo.get(facts)
+                if summary_id is None:
+                    if len(self.memo) >= MEMO:
+                        self.memo.clear()
+                    summary_id = self.memo[facts] = self._text(_dumps(facts))
+            findings_id = self._text(_dumps([_finding_row(f, path) for f in findings])) \
+                if findings else None
+            cover = (coverage.side, coverage.key, coverage.flag, coverage.note) \
+                if coverage is not None else (None, None, None, None)
+            self.rows.append((directory, os.fsencode(name), *stat, self._text(scope), size,
+                              summary_id, findings_id, *cover))
+        except (TypeError, ValueError, RecursionError):
+            pass
+
+    def take(self) -> Records:
+        taken = Records(self.rows, self.texts)
+        self.rows, self.texts = [], []
+        return taken
 
 
 def _dumps(value: Any) -> str:
@@ -469,8 +493,8 @@ class Session:
         self.reused = 0
         self.unjudged = 0  # files unchanged since --changed-since: their file findings left out
         self.old: set[str] = set()  # files being read that did not change since --changed-since
-        self.rows: list[Record] = []
-        self.ids: dict[str, int] = {}  # text -> its id in `texts`
+        self.rows: list[tuple] = []
+        self.new_texts: list[tuple[int, str]] = []
         self.texts: dict[int, str] = {}  # id -> text, read back
         self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
         self.found: dict[int, list] = {}  # findings id -> decoded rows
@@ -498,7 +522,7 @@ class Session:
         exclude = self.exclude
         names = [n for n in batch.names if not (exclude and excluded(head + n, exclude))]
         rows = self._lookup(batch.directory, names)  # (only recordable files have rows)
-        scope = self._id(self.stamp(batch), write=False) if rows else None
+        scope = text_id(self.stamp(batch)) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
         since = self.since
@@ -605,21 +629,6 @@ class Session:
             return {}
         return found
 
-    def _id(self, text: str, write: bool = True) -> int | None:
-        """The id of `text` in `texts`; a new one (in the open write transaction) when `write`."""
-        found = self.ids.get(text)
-        if found is None and self.db is not None:
-            row = self.db.execute("SELECT id FROM texts WHERE text = ?", (text,)).fetchone()
-            if row is None:
-                if not write:
-                    return None
-                row = (self.db.execute("INSERT INTO texts (text) VALUES (?)", (text,)).lastrowid,)
-            found = row[0]
-            if len(self.ids) > MEMO:
-                self.ids.clear()
-            self.ids[text] = found
-        return found
-
     def judged(self, findings: list[Finding]) -> list[Finding]:
         """The file findings of a batch just read, without those of files that did not change
         since --changed-since."""
@@ -627,37 +636,35 @@ class Session:
             return findings
         return [f for f in findings if f.path not in self.old]
 
-    def store(self, records: Iterable[Record | None]) -> None:
+    def store(self, records: Records | None) -> None:
         """Record the verdicts of files just read (written in batches of COMMIT_EVERY). A file
         modified less than RACY_NS before the scan began is not recorded."""
+        if records is None:
+            return
+        if self.old:
+            for row in records.rows:
+                self.old.discard(os.path.join(os.fsdecode(row[0]), os.fsdecode(row[1])))
+        if self.db is None:
+            return
         racy = self.started - RACY_NS
-        for rec in records:
-            if rec is None:
-                continue
-            if self.old:
-                self.old.discard(os.path.join(rec.directory, rec.name))
-            if self.db is not None and rec.stat[1] < racy:
-                self.rows.append(rec)
+        self.rows.extend(row for row in records.rows if row[3] < racy)
+        self.new_texts.extend(records.texts)
         if len(self.rows) >= COMMIT_EVERY:
             self._flush()
 
     def _flush(self) -> None:
-        records, self.rows = self.rows, []
-        if not records or self.db is None:
+        rows, self.rows = self.rows, []
+        texts, self.new_texts = self.new_texts, []
+        if not rows or self.db is None:
             return
-        ids = self._id
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                rows = [(os.fsencode(r.directory), os.fsencode(r.name), *r.stat, ids(r.scope), r.bytes,
-                         None if r.summary is None else ids(r.summary),
-                         None if r.findings is None else ids(r.findings),
-                         *(r.coverage or (None, None, None, None))) for r in records]
+                self.db.executemany("INSERT OR IGNORE INTO texts VALUES (?, ?)", texts)
                 self.db.executemany("INSERT OR REPLACE INTO files VALUES "
                                     "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             except BaseException:
                 self.db.execute("ROLLBACK")
-                self.ids.clear()  # ids inserted in the transaction are gone
                 raise
             self.db.execute("COMMIT")
         except sqlite3.Error as exc:
