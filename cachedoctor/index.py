@@ -36,6 +36,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import operator
 import os
 import secrets
 import sqlite3
@@ -105,6 +106,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.memo: dict[tuple, int] = {}  # a summary's facts -> its text's id
+        self.scopes: dict[str, int] = {}  # a scope stamp -> its text's id
         self.sent: set[int] = set()
         self.rows: list[tuple] = []
         self.texts: list[tuple[int, str]] = []
@@ -136,8 +138,11 @@ class Recorder:
                 if findings else None
             cover = (coverage.side, coverage.key, coverage.flag, coverage.note) \
                 if coverage is not None else (None, None, None, None)
-            self.rows.append((directory, os.fsencode(name), *stat, self._text(scope), size,
-                              summary_id, findings_id, *cover))
+            scope_id = self.scopes.get(scope)
+            if scope_id is None:
+                scope_id = self.scopes[scope] = self._text(scope)
+            self.rows.append((directory, name.encode(FS, "surrogateescape"), *stat, scope_id,
+                              size, summary_id, findings_id, *cover))
         except (TypeError, ValueError, RecursionError):
             pass
 
@@ -152,6 +157,7 @@ def _dumps(value: Any) -> str:
 
 
 _PLAIN = (str, int, float, bool, type(None))
+FS = "utf-8"  # os.fsencode's encoding on Linux and macOS; names are stored as its bytes
 
 
 def _tagged(value: Any) -> Any:
@@ -462,6 +468,7 @@ def recordable(role: str, area: str, name: str) -> bool:
 
 
 _STAT = tuple[int, int, int, int, int]
+_KEY = operator.itemgetter(0, 1)
 MEMO = 65_536  # decoded texts kept per scan (a cache's files share a few summaries)
 
 
@@ -537,13 +544,13 @@ class Session:
                     row = None
             old = since is not None and st is not None and max(st.st_mtime_ns, st.st_ctime_ns) < since
             self.unjudged += old
-            if row is not None and row[5] == scope and row[:5] == (
+            if row is not None and row[6] == scope and row[1:6] == (
                     st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns):
                 verdict = self._verdict(row, path, batch.dataset or "", st.st_mtime)
                 if verdict is not None:
                     found, summary, coverage = verdict
                     reused.files += 1
-                    reused.bytes += row[6]
+                    reused.bytes += row[7]
                     if not old:
                         reused.findings.extend(found)
                     if summary is not None:
@@ -566,19 +573,19 @@ class Session:
         by something else: the file is read again)."""
         try:
             summary = coverage = None
-            if row[7] is not None:
-                template = self.templates.get(row[7])
+            if row[8] is not None:
+                template = self.templates.get(row[8])
                 if template is None:
-                    template = self.templates[row[7]] = _template(self.texts[row[7]])
+                    template = self.templates[row[8]] = _template(self.texts[row[8]])
                 summary = FileSummary(path, *template[0], mtime, *template[1])
             found: list[Finding] = []
-            if row[8] is not None:
-                rows = self.found.get(row[8])
-                if rows is None:
-                    rows = self.found[row[8]] = json.loads(self.texts[row[8]])
-                found = [_finding(f, path) for f in rows]
             if row[9] is not None:
-                side, key, flag, note = row[9:13]
+                rows = self.found.get(row[9])
+                if rows is None:
+                    rows = self.found[row[9]] = json.loads(self.texts[row[9]])
+                found = [_finding(f, path) for f in rows]
+            if row[10] is not None:
+                side, key, flag, note = row[10:14]
                 if type(side) is not int or type(flag) is not int:
                     raise ValueError("not a coverage row")
                 coverage = CoverageRow(dataset, side, key, path, mtime, flag, note)
@@ -600,18 +607,19 @@ class Session:
             if directory != self.directory and len(names) < WHOLE_DIR:
                 wanted = set(names)
                 for row in self.db.execute(columns, (folder,)):
-                    name = os.fsdecode(row[0])
+                    name = row[0].decode(FS, "surrogateescape")
                     if name in wanted:
-                        found[name] = row[1:]
+                        found[name] = row
             else:
                 for start in range(0, len(names), LOOKUP_CHUNK):
-                    chunk = [os.fsencode(n) for n in names[start:start + LOOKUP_CHUNK]]
+                    chunk = [n.encode(FS, "surrogateescape")
+                             for n in names[start:start + LOOKUP_CHUNK]]
                     marks = ",".join("?" * len(chunk))
                     for row in self.db.execute(f"{columns} AND name IN ({marks})",
                                                (folder, *chunk)):
-                        found[os.fsdecode(row[0])] = row[1:]
+                        found[row[0].decode(FS, "surrogateescape")] = row
             self.directory = directory
-            wanted = {i for row in found.values() for i in (row[7], row[8])
+            wanted = {i for row in found.values() for i in (row[8], row[9])
                       if i is not None and i not in self.texts}
             if wanted:
                 if len(self.texts) > MEMO:
@@ -661,6 +669,7 @@ class Session:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 self.db.executemany("INSERT OR IGNORE INTO texts VALUES (?, ?)", texts)
+                rows.sort(key=_KEY)  # in key order: half the b-tree work of the walk's order
                 self.db.executemany("INSERT OR REPLACE INTO files VALUES "
                                     "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             except BaseException:
