@@ -152,7 +152,7 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     options, datasets, verdicts, templates = (state.options, state.datasets, state.verdicts,
                                               state.templates)
     scope = state.scope(batch) if options.index else ""
-    folder = os.fsencode(batch.directory)
+    folder = os.fsencode(batch.directory) if scope else b""
     checks = [(r.code, r.check_file) for r in state.rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None

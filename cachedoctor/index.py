@@ -56,7 +56,7 @@ from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, exclude
 from cachedoctor.summary import CoverageRow, FileSummary, encode
 
 NAME = "index.sqlite"
-SCHEMA = "4"
+SCHEMA = "5"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
 COMMIT_EVERY = 4096  # rows per write transaction
@@ -67,11 +67,11 @@ DIGEST = 16  # hex digits of a stamp
 _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS files (
-    dir BLOB, name BLOB, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER,
+    dir INTEGER, name BLOB, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER,
     ctime_ns INTEGER, scope INTEGER, bytes INTEGER, summary INTEGER, findings INTEGER,
     side INTEGER, key TEXT, flag INTEGER, note TEXT, PRIMARY KEY (dir, name)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT UNIQUE);
+CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT);
 CREATE TABLE IF NOT EXISTS scans (
     id TEXT PRIMARY KEY, started_ns INTEGER, finished_ns INTEGER, files INTEGER, reused INTEGER
 );
@@ -85,11 +85,12 @@ class SinceError(ConfigError):
 
 # -- what a worker sends back per file ---------------------------------------------------------
 
-def text_id(text: str) -> int:
+def text_id(text: str | bytes) -> int:
     """A text's id in the `texts` table: a 64-bit hash of it, so that a worker can name a text
-    without asking the index (and a row's scope is compared without a query)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8)
-                          .digest(), "little", signed=True)
+    without asking the index (and a row's scope or directory is compared without a query). A
+    directory is named by its path's bytes (a name need not be UTF-8)."""
+    data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 class Records(NamedTuple):
@@ -109,9 +110,10 @@ class Recorder:
         self.scopes: dict[str, int] = {}  # a scope stamp -> its text's id
         self.sent: set[int] = set()
         self.rows: list[tuple] = []
-        self.texts: list[tuple[int, str]] = []
+        self.texts: list[tuple[int, str | bytes]] = []
+        self.dirs: dict[bytes, int] = {}
 
-    def _text(self, text: str) -> int:
+    def _text(self, text: str | bytes) -> int:
         found = text_id(text)
         if found not in self.sent:
             if len(self.sent) >= MEMO:
@@ -141,7 +143,10 @@ class Recorder:
             scope_id = self.scopes.get(scope)
             if scope_id is None:
                 scope_id = self.scopes[scope] = self._text(scope)
-            self.rows.append((directory, name.encode(FS, "surrogateescape"), *stat, scope_id,
+            dir_id = self.dirs.get(directory)
+            if dir_id is None:
+                dir_id = self.dirs[directory] = self._text(directory)
+            self.rows.append((dir_id, name.encode(FS, "surrogateescape"), *stat, scope_id,
                               size, summary_id, findings_id, *cover))
         except (TypeError, ValueError, RecursionError):
             pass
@@ -501,7 +506,8 @@ class Session:
         self.unjudged = 0  # files unchanged since --changed-since: their file findings left out
         self.old: set[str] = set()  # files being read that did not change since --changed-since
         self.rows: list[tuple] = []
-        self.new_texts: list[tuple[int, str]] = []
+        self.new_texts: list[tuple[int, str | bytes]] = []
+        self.dirs: dict[int, str] = {}  # directory ids met (for --changed-since)
         self.texts: dict[int, str] = {}  # id -> text, read back
         self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
         self.found: dict[int, list] = {}  # findings id -> decoded rows
@@ -600,7 +606,7 @@ class Session:
         if self.db is None or not names or self.empty:
             return {}
         found = {}
-        folder = os.fsencode(directory)
+        folder = text_id(os.fsencode(directory))
         columns = ("SELECT name, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
                    "findings, side, key, flag, note FROM files WHERE dir = ?")
         try:
@@ -650,8 +656,12 @@ class Session:
         if records is None:
             return
         if self.old:
+            dirs = {i: os.fsdecode(t) for i, t in records.texts if isinstance(t, bytes)}
+            dirs.update(self.dirs)
+            self.dirs = dirs
             for row in records.rows:
-                self.old.discard(os.path.join(os.fsdecode(row[0]), os.fsdecode(row[1])))
+                if row[0] in dirs:
+                    self.old.discard(os.path.join(dirs[row[0]], os.fsdecode(row[1])))
         if self.db is None:
             return
         racy = self.started - RACY_NS
@@ -676,7 +686,7 @@ class Session:
                 self.db.execute("ROLLBACK")
                 raise
             self.db.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError, TypeError) as exc:
             self._drop(f"cannot write the index {self.where} ({exc}): this scan's results are "
                        "not recorded")
 
@@ -716,12 +726,15 @@ class Session:
         (rows,) = self.db.execute("SELECT count(*) FROM files").fetchone()
         if rows <= 2 * files + 10_000:
             return
-        gone = [(d, n) for d, n in self.db.execute("SELECT dir, name FROM files")
-                if not os.path.lexists(os.path.join(os.fsdecode(d), os.fsdecode(n)))]
+        gone = [(d, n) for d, n, path in self.db.execute(
+                    "SELECT f.dir, f.name, t.text FROM files f LEFT JOIN texts t ON t.id = f.dir")
+                if not isinstance(path, bytes)
+                or not os.path.lexists(os.path.join(os.fsdecode(path), os.fsdecode(n)))]
         self.db.execute("BEGIN IMMEDIATE")
         self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", gone)
         self.db.execute("DELETE FROM texts WHERE id NOT IN (SELECT scope FROM files UNION "
-                        "SELECT summary FROM files UNION SELECT findings FROM files)")
+                        "SELECT summary FROM files UNION SELECT findings FROM files UNION "
+                        "SELECT dir FROM files)")
         self.db.execute("COMMIT")
 
 
