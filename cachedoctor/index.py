@@ -59,7 +59,7 @@ NAME = "index.sqlite"
 SCHEMA = "5"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
-COMMIT_EVERY = 4096  # rows per write transaction
+COMMIT_EVERY = 16384  # rows per write transaction
 LOOKUP_CHUNK = 500  # names per SELECT (SQLite allows 999 parameters in old builds)
 WHOLE_DIR = 1024  # a first batch of fewer names than this is its whole directory (engine.BATCH)
 DIGEST = 16  # hex digits of a stamp
@@ -352,6 +352,7 @@ def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
         db.execute(f"PRAGMA busy_timeout = {int(BUSY_MS)}")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA cache_size = -32768")  # 32 MiB: a rescan's reads and a scan's inserts
         db.executescript(_TABLES)
         found = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
         if found is None:
