@@ -538,7 +538,9 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
             session.store(result.records)
             add(dataclasses.replace(result, findings=session.judged(result.findings)))
     finally:
-        phase.index = session.close(phase.files, full=options.changed_since is None)
+        # (a rank of a sharded preflight sees a share of the files: it prunes nothing)
+        phase.index = session.close(phase.files,
+                                    full=options.changed_since is None and options.shard is None)
     if notices:
         phase.index["notices"] = notices
     return phase
