@@ -350,3 +350,10 @@ def test_a_big_directory_is_looked_up_by_name(demo: Path, monkeypatch) -> None:
     _truncate(demo / "latent_000.pt")
     again = scan(demo)
     assert same(again, fresh(demo)) and again.index["reused"] == recordable(demo) - 1
+
+
+def test_a_report_with_index_figures_pickles(demo: Path) -> None:
+    import pickle
+
+    report = scan(demo)
+    assert pickle.loads(pickle.dumps(report)).index == report.index
