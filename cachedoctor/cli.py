@@ -409,6 +409,7 @@ CANCELLED = "cancelled: nothing changed"
 def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reencode: Reencode | None,
          dry_run: bool, yes: bool, wait: float, verbose: bool, include_info: bool = False) -> int:
     import contextlib
+    import dataclasses
 
     from cachedoctor.engine import scan as run_scan
     from cachedoctor.repair import build_plan
@@ -427,6 +428,8 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
                     typer.echo(note)
             else:
                 _pending_notes(roots)
+                # (nor an index: it would make .cachedoctor/ in the cache)
+                options = dataclasses.replace(options, index=False)
             report = run_scan(targets, options)
             plan = build_plan(report, roots, reencode, include_info=include_info)
             render_plan(plan, sys.stdout, verbose=verbose)
