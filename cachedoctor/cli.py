@@ -412,6 +412,7 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
     import dataclasses
 
     from cachedoctor.engine import scan as run_scan
+    from cachedoctor.inventory import STATE_DIR
     from cachedoctor.repair import build_plan
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
@@ -428,7 +429,9 @@ def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reenc
                     typer.echo(note)
             else:
                 _pending_notes(roots)
-                # (nor an index: it would make .cachedoctor/ in the cache)
+            if dry_run or not any(os.path.isdir(os.path.join(r, STATE_DIR)) for r in roots):
+                # fix uses the index a scan or an earlier fix made, and never makes one: a dry
+                # run creates nothing, a fix with nothing to do leaves no folder behind
                 options = dataclasses.replace(options, index=False)
             report = run_scan(targets, options)
             plan = build_plan(report, roots, reencode, include_info=include_info)
