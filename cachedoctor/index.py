@@ -534,26 +534,41 @@ class Session:
         reused = Reused()
         head = os.path.join(batch.directory, "")
         exclude = self.exclude
-        names = [n for n in batch.names if not (exclude and excluded(head + n, exclude))]
+        names = [n for n in batch.names if not excluded(head + n, exclude)] if exclude \
+            else batch.names
         rows = self._lookup(batch.directory, names)  # (only recordable files have rows)
         scope = text_id(self.stamp(batch)) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
-        since = self.since
+        since, dataset, templates = self.since, batch.dataset or "", self.templates
+        stat = os.stat
         for name in names:
             path = head + name
             row = rows.get(name)
-            st = None
-            if row is not None or since is not None:
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    row = None
-            old = since is not None and st is not None and max(st.st_mtime_ns, st.st_ctime_ns) < since
-            self.unjudged += old
+            if row is None and since is None:
+                keep.append(name)
+                continue
+            try:
+                st = stat(path)
+            except OSError:
+                keep.append(name)
+                continue
+            old = False
+            if since is not None:
+                old = max(st.st_mtime_ns, st.st_ctime_ns) < since
+                self.unjudged += old
             if row is not None and row[6] == scope and row[1:6] == (
                     st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns):
-                verdict = self._verdict(row, path, batch.dataset or "", st.st_mtime)
+                template = templates.get(row[8])
+                if template is not None and row[9] is None and row[10] is None:
+                    # the common case, inline: a clean file whose summary text is decoded
+                    summaries.append(FileSummary(path, *template[0], st.st_mtime, *template[1]))
+                    reused.files += 1
+                    reused.bytes += row[7]
+                    if self.keep_paths:
+                        reused.paths.append(path)
+                    continue
+                verdict = self._verdict(row, path, dataset, st.st_mtime)
                 if verdict is not None:
                     found, summary, coverage = verdict
                     reused.files += 1
