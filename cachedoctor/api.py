@@ -1,7 +1,8 @@
 """The Python API for training scripts and CI: `scan()` returns a Report, `preflight()` raises.
 
 Keyword options are the command line's flags (`select`, `ignore`, `extend_select`, `exclude`,
-`deep`, `jobs`, `baseline`, `severity`, `rules`, `config`, `isolated`), and the same config
+`deep`, `jobs`, `baseline`, `severity`, `rules`, `config`, `isolated`, `index`, `rebuild_index`,
+`changed_since`), and the same config
 file applies as on the command line (found from the working directory upward; `isolated=True`
 ignores it). Under an initialised torch.distributed group, `preflight` splits the files across
 the ranks and every rank reaches the same verdict; torch is never imported here otherwise.
@@ -62,11 +63,15 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
                    rules: Mapping[str, Mapping[str, Any]] | None = None,
                    config: str | os.PathLike | None = None, isolated: bool = False,
                    jobs: int | None = None, overrides: Iterable[configuration.Config] = (),
-                   source: str = "arguments",
-                   include_info: bool | None = None) -> configuration.Policy:
+                   source: str = "arguments", include_info: bool | None = None,
+                   index: bool = True, rebuild_index: bool = False,
+                   changed_since: str | float | None = None) -> configuration.Policy:
     """The Policy the keyword options and the config file make (raises ConfigError).
 
     The options are the top layer, over `overrides` (`--config 'KEY = VALUE'`), over the file.
+    `index=False` reads every file afresh and records nothing; `rebuild_index` starts the
+    index afresh; `changed_since` (a scan or repair run id, an ISO time or epoch seconds)
+    reports file findings of the files changed since only (index.py).
     """
     given = {
         "select": _codes(select),
@@ -87,6 +92,10 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
         if jobs < 1:
             raise configuration.ConfigError(f"{source}: jobs must be at least 1")
         policy = dataclasses.replace(policy, options=dataclasses.replace(policy.options, jobs=jobs))
+    if not index or rebuild_index or changed_since is not None:
+        since = None if changed_since is None else str(changed_since)
+        policy = dataclasses.replace(policy, options=dataclasses.replace(
+            policy.options, index=bool(index), rebuild_index=bool(rebuild_index), changed_since=since))
     return policy
 
 
@@ -94,8 +103,9 @@ def scan(targets: Targets, **options: Any) -> Report:
     """Scan cache dirs, cache files or trainer configs; findings come back as data.
 
     With a baseline (the `baseline` option or the config file's), findings it records are left
-    out. Raises TargetError for a target that does not exist, ConfigError for a bad option or
-    config file, BaselineError for an unreadable baseline.
+    out. Raises TargetError for a target that does not exist, ConfigError for a bad option
+    (a `changed_since` that is no time nor recorded run included) or config file,
+    BaselineError for an unreadable baseline. `report.index` says what the index did.
     """
     return _scan(_targets(targets), resolve_policy(**options))
 

@@ -82,6 +82,12 @@ def scan(
         help="A config file, or a TOML 'KEY = VALUE' override (repeatable).")] = None,
     isolated: Annotated[bool, typer.Option(help="Ignore every config file.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
+    index: Annotated[bool, typer.Option(
+        "--index/--no-index", help="Reuse the verdicts of unchanged files from the cache's index.")] = True,
+    rebuild_index: Annotated[bool, typer.Option("--rebuild-index", help="Start the index afresh.")] = False,
+    changed_since: Annotated[str | None, typer.Option(
+        metavar="RUN|TIME", help="File findings only for files changed since a scan or fix run id, "
+                                 "an ISO time or epoch seconds; dataset rules still see every file.")] = None,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
     from cachedoctor.reporters import reporter
@@ -97,7 +103,8 @@ def scan(
         policy = resolve_policy(
             select=select, extend_select=extend_select, ignore=ignore, exclude=exclude, deep=deep,
             fail_on=fail_on, baseline=baseline, jobs=jobs, config=config_file, isolated=isolated,
-            overrides=overrides, source="command line")
+            overrides=overrides, source="command line", index=index, rebuild_index=rebuild_index,
+            changed_since=changed_since)
     except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
     chosen = reporter(fmt)
@@ -112,11 +119,12 @@ def scan(
             on_start=progress.start if progress else None,
             on_progress=progress.advance if progress else None,
         )
-    except (TargetError, baselines.BaselineError) as exc:
+    except (TargetError, baselines.BaselineError, configuration.ConfigError) as exc:
         raise fail(str(exc)) from None
     finally:
         if progress:
             progress.stop()
+    _index_lines(report.index)
     _policy_lines(policy.applied, detail=fmt == "text")
     if write_baseline is not None:
         try:
@@ -133,6 +141,20 @@ def scan(
         report = result.report
     _emit(report, chosen, output, verbose)
     raise typer.Exit(0 if write_baseline is not None else report.exit_code(policy.fail_on))
+
+
+def _index_lines(used) -> None:
+    """On stderr: the index's notices, and what it saved once it saved something (or what
+    --changed-since judged)."""
+    for notice in used.get("notices", ()):
+        typer.echo(f"cachedoctor: {notice}", err=True)
+    if used.get("reused") or "judged" in used:
+        line = f"cachedoctor: index: {used['read']:,} files read, {used['reused']:,} reused"
+        if "judged" in used:
+            line += f"; file rules judged the {used['judged']:,} changed since --changed-since"
+        if "scan" in used:
+            line += f" (scan {used['scan']})"
+        typer.echo(line, err=True)
 
 
 def _hidden_guards(before, after, path: str) -> None:
@@ -192,7 +214,8 @@ def _check_jobs(jobs: int | None) -> None:
 
 def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
                  exclude: list[str] | None, jobs: int | None,
-                 include_info: bool | None = None) -> tuple[ScanOptions, bool]:
+                 include_info: bool | None = None, index: bool = True,
+                 rebuild_index: bool = False) -> tuple[ScanOptions, bool]:
     """fix's ScanOptions and whether it acts on info findings: the same config files and
     layering as scan's, with fix's flags on top."""
     from cachedoctor import config as configuration
@@ -201,7 +224,8 @@ def _fix_options(deep: bool, select: list[str] | None, ignore: list[str] | None,
     _check_jobs(jobs)
     try:
         policy = resolve_policy(select=select, ignore=ignore, exclude=exclude, deep=deep or None,
-                                jobs=jobs, source="command line", include_info=include_info)
+                                jobs=jobs, source="command line", include_info=include_info,
+                                index=index, rebuild_index=rebuild_index)
     except configuration.ConfigError as exc:
         raise fail(str(exc)) from None
     _policy_lines(policy.applied, detail=True)
@@ -320,6 +344,9 @@ def fix(
                                             "or of every cache you fixed) and exit.")] = False,
     jobs: Annotated[int | None, typer.Option("-j", "--jobs", metavar="N", help="Scan worker processes.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every file of the plan.")] = False,
+    index: Annotated[bool, typer.Option(
+        "--index/--no-index", help="Reuse the scan's verdicts of unchanged files from the cache's index.")] = True,
+    rebuild_index: Annotated[bool, typer.Option("--rebuild-index", help="Start the index afresh.")] = False,
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
 
@@ -353,7 +380,8 @@ def fix(
     if roots is None:
         raise fail("fix needs a TARGET (a cache dir or file, a trainer config or project folder), "
                    "or --list-runs")
-    options, include_info = _fix_options(deep, select, ignore, exclude, jobs, include_info)
+    options, include_info = _fix_options(deep, select, ignore, exclude, jobs, include_info, index,
+                                         rebuild_index)
     if encoder is not None and not reencode:
         raise fail("--encoder is for --reencode")
     chosen = None
@@ -386,8 +414,10 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
     """Scan the `layouts` resolved once for `targets` (their cache `roots` are what is locked),
     then plan, show and apply."""
     import contextlib
+    import dataclasses
 
     from cachedoctor.engine import scan as run_scan
+    from cachedoctor.inventory import STATE_DIR
     from cachedoctor.repair import build_plan
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
@@ -404,6 +434,10 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
                     typer.echo(note)
             else:
                 _pending_notes(roots)
+            if dry_run or not any(os.path.isdir(os.path.join(r, STATE_DIR)) for r in roots):
+                # fix uses the index a scan or an earlier fix made, and never makes one: a dry
+                # run creates nothing, a fix with nothing to do leaves no folder behind
+                options = dataclasses.replace(options, index=False)
             report = run_scan(targets, options, layouts=layouts)
             plan = build_plan(report, roots, reencode, include_info=include_info)
             render_plan(plan, sys.stdout, verbose=verbose)

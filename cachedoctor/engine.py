@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cachedoctor import sharded
+from cachedoctor import index, sharded
 from cachedoctor.checks import RULES
 from cachedoctor.checks import checker_error as crash
 from cachedoctor.findings import Finding, Report
@@ -63,6 +63,7 @@ class ChunkResult:
     summaries: list[tuple[str, bytes]]  # (dataset, blob) rows of a SummaryStore
     paths: list[str]  # every file checked, when ScanOptions.keep_paths
     coverage: list[CoverageRow]
+    records: index.Records | None = None  # each file's verdict, for the index (options.index)
 
 
 def selected_rules(options: ScanOptions) -> list[Rule]:
@@ -113,6 +114,13 @@ class ScanState:
     datasets: Mapping[str, Dataset]
     templates: Templates = dataclasses.field(default_factory=Templates)
     verdicts: dict[tuple, _Verdict] = dataclasses.field(default_factory=dict)
+    scopes: Callable[[Batch], str] | None = None  # the index's scope stamps, made on first use
+    recorder: index.Recorder = dataclasses.field(default_factory=index.Recorder)
+
+    def scope(self, batch: Batch) -> str:
+        if self.scopes is None:
+            self.scopes = index.scope_stamps(self.options, self.rules, self.datasets)
+        return self.scopes(batch)
 
 
 def check_batch(batch: Batch, state: ScanState) -> ChunkResult:
@@ -143,6 +151,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     nbytes = files = 0
     options, datasets, verdicts, templates = (state.options, state.datasets, state.verdicts,
                                               state.templates)
+    scope = state.scope(batch) if options.index else ""
+    folder = os.fsencode(batch.directory) if scope else b""
     checks = [(r.code, r.check_file) for r in state.rules if r.check_file is not None]
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
@@ -155,6 +165,10 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     beside: bool | None = None  # whether images belong in this cache folder: asked once
     for entry, given in sharded.expand(batch.entries(options.exclude), deep):
         files += 1
+        found_before = len(findings)
+        stat = None
+        if scope and given is None and index.recordable(entry.role, batch.area, entry.path[cut:]):
+            stat = index.stat_key(entry.path)  # before reading: a later change shows next scan
         if entry.area == "cache" and entry.role not in (LATENT, TEXT):
             if beside is None:
                 beside = naming.images_belong()
@@ -199,8 +213,11 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             coverage.append(row)
         if summary is not None:
             summaries.append(summary)
+        if stat is not None and not crashed and meta.format != UNREADABLE:  # an I/O error may pass
+            state.recorder.add(folder, entry.path[cut:], stat, scope, meta.size,
+                               findings[found_before:], summary, row, entry.path)
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
-                       paths, coverage)
+                       paths, coverage, state.recorder.take() if scope else None)
 
 
 def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
@@ -480,6 +497,7 @@ class FilePhase:
     bytes: int
     store: SummaryStore
     paths: list[str] = dataclasses.field(default_factory=list)  # when options.keep_paths
+    index: dict = dataclasses.field(default_factory=dict)  # what the index did (Report.index)
 
 
 def datasets_of(layouts: Iterable[Layout]) -> dict[str, Dataset]:
@@ -501,7 +519,12 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
     batches_ = plan(layouts, options)
     if on_listed is not None:
         batches_ = _counted(batches_, on_listed)
-    for result in check_files(batches_, options, rules, datasets):
+    notices: list[str] = []
+    session = index.open_session(index_roots(layouts), options, rules, datasets, notices)
+    if options.index and (session is None or session.db is None):
+        options = dataclasses.replace(options, index=False)  # the workers record nothing
+
+    def add(result: ChunkResult | index.Reused) -> None:
         phase.files += result.files
         phase.bytes += result.bytes
         phase.findings.extend(result.findings)
@@ -510,7 +533,30 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
         phase.store.add_coverage(result.coverage)
         if on_progress is not None:
             on_progress(result.files)
+
+    if session is None:
+        for result in check_files(batches_, options, rules, datasets):
+            add(result)
+        return phase
+    # The index's lookups and writes are this process's: the workers only read files.
+    try:
+        for result in check_files(session.split(batches_, add), options, rules, datasets):
+            session.store(result.records)
+            add(dataclasses.replace(result, findings=session.judged(result.findings)))
+    finally:
+        # (a rank of a sharded preflight sees a share of the files: it prunes nothing)
+        phase.index = session.close(phase.files,
+                                    full=options.changed_since is None and options.shard is None)
+    if notices:
+        phase.index["notices"] = notices
     return phase
+
+
+def index_roots(layouts: Iterable[Layout]) -> list[str]:
+    """The directories a scan walks, cache dirs first: the index lives in the first one's
+    `.cachedoctor/` (a scan of single files keeps none)."""
+    roots = sorted(walk_roots(layouts), key=lambda root: root.area != "cache")
+    return [root.path for root in roots if os.path.isdir(root.path)]
 
 
 def check_layouts(layouts: list[Layout], options: ScanOptions, rules: list[Rule]) -> list[Finding]:
@@ -559,7 +605,7 @@ def check_datasets(store: SummaryStore, options: ScanOptions, rules: list[Rule],
 
 def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list[Finding],
                  files: int, nbytes: int, options: ScanOptions,
-                 paths: Iterable[str] = ()) -> Report:
+                 paths: Iterable[str] = (), index_use: Mapping | None = None) -> Report:
     crashes = options.enabled(crash.RULE.code)  # CD002 is made here, not by a rule: it obeys too
     return Report.build(
         targets,
@@ -569,6 +615,7 @@ def build_report(targets: tuple[str, ...], layouts: list[Layout], findings: list
         datasets=[d.id for lay in layouts for d in lay.datasets],
         trainers=sorted({lay.trainer for lay in layouts}),
         checked=paths,
+        index=index_use,
     )
 
 
@@ -581,7 +628,8 @@ def conclude(targets: tuple[str, ...], layouts: list[Layout], options: ScanOptio
                     *check_datasets(phase.store, options, rules, datasets_of(layouts))]
     finally:
         phase.store.close()
-    return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths)
+    return build_report(targets, layouts, findings, phase.files, phase.bytes, options, phase.paths,
+                        phase.index)
 
 
 class Scope(NamedTuple):

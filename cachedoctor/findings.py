@@ -204,14 +204,18 @@ class Report:
     trainers: tuple[str, ...] = ()
     checked: tuple[str, ...] = ()  # every file checked, sorted; only with ScanOptions.keep_paths
     policy: AppliedPolicy = field(default_factory=AppliedPolicy)  # set by api and the CLI
+    # what the incremental index did: files "read" and "reused", "judged" (--changed-since),
+    # the "scan" id, its "location" and "notices"; empty when the scan used none
+    # (a dict, not a mappingproxy: a Report pickles, CacheProblems crosses processes)
+    index: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, targets: Iterable[str], findings: Iterable[Finding], files: int, nbytes: int,
               datasets: Iterable[str] = (), trainers: Iterable[str] = (),
-              checked: Iterable[str] = ()) -> Report:
+              checked: Iterable[str] = (), index: Mapping[str, Any] | None = None) -> Report:
         ordered = tuple(sorted(findings, key=lambda f: f.sort_key))
         return cls(tuple(targets), ordered, files, nbytes, tuple(datasets), tuple(trainers),
-                   tuple(sorted(checked)))
+                   tuple(sorted(checked)), index=dict(index or {}))
 
     def count(self, severity: Severity) -> int:
         return sum(1 for f in self.findings if f.severity == severity)

@@ -37,13 +37,16 @@ class ScanOptions:
     )  # per-rule thresholds: {"CD201": {"min-ratio": 1.5}}
     shard: tuple[int, int] | None = None  # (rank, world): check every world-th file only
     keep_paths: bool = False  # list every file checked in the Report (junit); costs memory
+    index: bool = True  # reuse the verdicts of unchanged files (index.py) and record new ones
+    rebuild_index: bool = False  # start the index afresh
+    changed_since: str | None = None  # report file findings of files changed since (index.py)
 
     def __reduce__(self):
         return (
             ScanOptions,
             (self.deep, self.jobs, self.selected, self.exclude,
              dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard,
-             self.keep_paths),
+             self.keep_paths, self.index, self.rebuild_index, self.changed_since),
         )
 
     def enabled(self, code: str) -> bool:

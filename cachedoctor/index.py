@@ -1,0 +1,774 @@
+"""The incremental index: each file's verdict kept between scans, so a rescan reads only the
+files that are new or changed.
+
+A row per file, keyed by its path as walked (absolute), holds the file's stat (size, mtime_ns,
+inode, device, ctime_ns), a scope stamp and what the file phase made of the file: its size,
+its summary and coverage row for the dataset rules, and its file findings. A rescan stats
+every file the walk lists and reuses a row only when every stat field and the scope stamp are
+the same; anything else is read again. The scope stamp hashes the package version and the
+source of every module (a change of a reader or a rule re-judges everything), the options that
+shape a verdict (--deep, the rules selected, their settings) and what the trainer config says
+about the file's dataset, bucket and area. The dataset rules always run over every summary,
+stored or fresh.
+
+Rows are plain columns and JSON (never pickle): an index that someone else wrote or tampered
+with can give wrong verdicts for files whose stat it matches, no more; it runs no code, and a
+row that does not decode is read again. Only latents, text embeddings and images in image dirs
+are recorded (the files a scan reads, and images, which the coverage rules need); everything
+else is cheap to judge and is judged every time. A file modified less than RACY_NS before the
+scan began is not recorded (a write in the same clock tick after our stat would leave its
+mtime unchanged), nor is one its reader could not read (an I/O error may pass).
+
+Where: `<cache root>/.cachedoctor/index.sqlite` (the first directory the scan walks), else,
+where that cannot be written, `$CACHEDOCTOR_STATE_DIR/index/`, `$XDG_CACHE_HOME/cachedoctor/
+index/` or `~/.cache/cachedoctor/index/`, one file per real root path; with no writable place
+the scan runs without an index. WAL and a busy timeout let concurrent scans share it; a
+corrupt index is rebuilt and a locked or unwritable one skipped, with a one-line notice: the
+index only ever saves reading, it never decides a result.
+
+The parent process does every lookup and every write (Session): the workers only encode each
+file's record (`record`), so SQLite is never written from many processes of one scan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import operator
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from datetime import datetime
+from enum import Enum
+from typing import Any, NamedTuple
+
+from cachedoctor import __version__
+from cachedoctor.config import ConfigError
+from cachedoctor.findings import Finding, Severity
+from cachedoctor.fix_kinds import FixKind
+from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
+from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, excluded
+from cachedoctor.summary import CoverageRow, FileSummary, encode
+
+NAME = "index.sqlite"
+SCHEMA = "5"
+BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
+RACY_NS = 2_000_000_000
+COMMIT_EVERY = 16384  # rows per write transaction
+LOOKUP_CHUNK = 500  # names per SELECT (SQLite allows 999 parameters in old builds)
+WHOLE_DIR = 1024  # a first batch of fewer names than this is its whole directory (engine.BATCH)
+DIGEST = 16  # hex digits of a stamp
+
+_TABLES = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS files (
+    dir INTEGER, name BLOB, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER,
+    ctime_ns INTEGER, scope INTEGER, bytes INTEGER, summary INTEGER, findings INTEGER,
+    side INTEGER, key TEXT, flag INTEGER, note TEXT, PRIMARY KEY (dir, name)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT);
+CREATE TABLE IF NOT EXISTS scans (
+    id TEXT PRIMARY KEY, started_ns INTEGER, finished_ns INTEGER, files INTEGER, reused INTEGER
+);
+"""
+
+
+class SinceError(ConfigError):
+    """A --changed-since value that is no time, and no scan or repair run on record (a usage
+    error, as a bad option is)."""
+
+
+# -- what a worker sends back per file ---------------------------------------------------------
+
+def text_id(text: str | bytes) -> int:
+    """A text's id in the `texts` table: a 64-bit hash of it, so that a worker can name a text
+    without asking the index (and a row's scope or directory is compared without a query). A
+    directory is named by its path's bytes (a name need not be UTF-8)."""
+    data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+class Records(NamedTuple):
+    """What a worker sends back for the index: a row per file read (the `files` table's
+    columns) and the texts those rows name that it has not sent before."""
+
+    rows: list[tuple]
+    texts: list[tuple[int, str]]
+
+
+class Recorder:
+    """A worker's side of the index (one per ScanState): each file's verdict as a row, with
+    the JSON texts that many files share (a summary but for its path and mtime) made once."""
+
+    def __init__(self) -> None:
+        self.memo: dict[tuple, int] = {}  # a summary's facts -> its text's id
+        self.scopes: dict[str, int] = {}  # a scope stamp -> its text's id
+        self.sent: set[int] = set()
+        self.rows: list[tuple] = []
+        self.texts: list[tuple[int, str | bytes]] = []
+        self.dirs: dict[bytes, int] = {}
+
+    def _text(self, text: str | bytes) -> int:
+        found = text_id(text)
+        if found not in self.sent:
+            if len(self.sent) >= MEMO:
+                self.sent.clear()
+            self.sent.add(found)
+            self.texts.append((found, text))
+        return found
+
+    def add(self, directory: bytes, name: str, stat: tuple[int, int, int, int, int], scope: str,
+            size: int, findings: list[Finding], summary: FileSummary | None,
+            coverage: CoverageRow | None, path: str) -> None:
+        """Record one file; nothing when some value has no exact JSON form (the file is then
+        read again next time)."""
+        try:
+            summary_id = None
+            if summary is not None:
+                facts = summary[1:6] + summary[7:]
+                summary_id = self.memo.get(facts)
+                if summary_id is None:
+                    if len(self.memo) >= MEMO:
+                        self.memo.clear()
+                    summary_id = self.memo[facts] = self._text(_dumps(facts))
+            findings_id = self._text(_dumps([_finding_row(f, path) for f in findings])) \
+                if findings else None
+            cover = (coverage.side, coverage.key, coverage.flag, coverage.note) \
+                if coverage is not None else (None, None, None, None)
+            scope_id = self.scopes.get(scope)
+            if scope_id is None:
+                scope_id = self.scopes[scope] = self._text(scope)
+            dir_id = self.dirs.get(directory)
+            if dir_id is None:
+                dir_id = self.dirs[directory] = self._text(directory)
+            self.rows.append((dir_id, name.encode(FS, "surrogateescape"), *stat, scope_id,
+                              size, summary_id, findings_id, *cover))
+        except (TypeError, ValueError, RecursionError):
+            pass
+
+    def take(self) -> Records:
+        taken = Records(self.rows, self.texts)
+        self.rows, self.texts = [], []
+        return taken
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+_PLAIN = (str, int, float, bool, type(None))
+FS = "utf-8"  # os.fsencode's encoding on Linux and macOS; names are stored as its bytes
+
+
+def _tagged(value: Any) -> Any:
+    """Details as JSON that keeps what JSON alone loses: a tuple is {"t": [...]}, a mapping
+    {"m": [[key, value], ...]}; a list stays a list. Anything else (an enum, an object) raises."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is list:
+        return [_tagged(v) for v in value]
+    if kind is tuple:
+        return {"t": [_tagged(v) for v in value]}
+    if isinstance(value, Mapping):
+        return {"m": [[_tagged(k), _tagged(v)] for k, v in value.items()]}
+    raise TypeError(f"{kind.__name__} in finding details")
+
+
+def _untagged(value: Any) -> Any:
+    if type(value) is list:
+        return [_untagged(v) for v in value]
+    if type(value) is dict:
+        if "t" in value:
+            return tuple(_untagged(v) for v in value["t"])
+        return {_untagged(k): _untagged(v) for k, v in value["m"]}
+    if type(value) not in _PLAIN:
+        raise ValueError("not a value")
+    return value
+
+
+def _finding_row(finding: Finding, path: str) -> list:
+    if type(finding.severity) is not Severity or (finding.fix is not None
+                                                  and type(finding.fix) is not FixKind):
+        raise TypeError("finding of an unknown kind")
+    return [finding.code, finding.name, int(finding.severity),
+            None if finding.path == path else finding.path, finding.message, finding.dataset,
+            _tagged(finding.details), None if finding.fix is None else str(finding.fix)]
+
+
+def _finding(row: list, path: str) -> Finding:
+    code, name, severity, where, message, dataset, details, fix = row
+    if not all(isinstance(v, str) for v in (code, name, message)) or \
+            not all(v is None or isinstance(v, str) for v in (where, dataset)):
+        raise ValueError("not a finding")
+    found = _untagged(details)
+    if type(found) is not dict:
+        raise ValueError("not a finding")
+    return Finding(code, name, Severity(severity), path if where is None else where, message,
+                   dataset, found, None if fix is None else FixKind(fix))
+
+
+def _tuple(value: Any) -> tuple | None:
+    return None if value is None else tuple(value)
+
+
+def _template(text: str) -> tuple[tuple, tuple]:
+    """A stored summary as the fields before and after its mtime (its path goes first)."""
+    (dataset, bucket, role, fmt, size, shape, dtype, signature, locations, expected, family,
+     group) = json.loads(text)
+    if not all(isinstance(v, str) for v in (role, fmt)) or type(size) is not int or \
+            not all(v is None or isinstance(v, str) for v in (dataset, bucket, dtype, family, group)):
+        raise ValueError("not a summary")
+    return ((dataset, bucket, role, fmt, size),
+            (_tuple(shape), dtype, tuple(map(tuple, signature)), tuple(locations),
+             _tuple(expected), family, group))
+
+
+# -- stamps ------------------------------------------------------------------------------------
+
+@functools.cache
+def code_stamp() -> str:
+    """The package version and a hash of the source of every module of the package and its
+    rule catalogue: any change to a reader or a rule, a new rule included, re-judges every file."""
+    import cachedoctor
+    import cachedoctor.checks
+
+    return source_digest(__version__, (os.path.dirname(cachedoctor.__file__),
+                                       *cachedoctor.checks.__path__))
+
+
+def source_digest(version: str, tops: Iterable[str]) -> str:
+    """A hash of `version` and every .py file under `tops` (names and bytes)."""
+    digest = hashlib.sha256(version.encode())
+    for top in tops:
+        for folder, dirs, names in sorted(os.walk(top)):
+            dirs.sort()
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, top).encode())
+                try:
+                    with open(path, "rb") as source:
+                        digest.update(source.read())
+                except OSError:
+                    digest.update(b"?")
+    return digest.hexdigest()[:DIGEST]
+
+
+# Dataset facts that no file's verdict depends on (the dataset rules read them afresh), and
+# that can be big: the images a trainer's metadata lists.
+_UNSTAMPED = frozenset({"listed_images", "listing"})
+
+
+def _canon(value: Any, depth: int = 0) -> str:
+    """A text of `value` that is the same in every process (sets and mappings sorted, no
+    object addresses)."""
+    if depth > 30:
+        return "..."
+    deeper = depth + 1
+    if isinstance(value, Enum) or type(value) in _PLAIN or isinstance(value, bytes):
+        return repr(value)
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(_canon(v, deeper) for v in value)) + "}"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(sorted(f"{_canon(k, deeper)}:{_canon(v, deeper)}"
+                                     for k, v in value.items())) + "}"
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__ + "(" + ",".join(_canon(v, deeper) for v in value) + ")"
+    name = type(value).__qualname__
+    if is_dataclass(value):
+        return name + _canon({f.name: getattr(value, f.name) for f in fields(value)
+                              if f.name not in _UNSTAMPED}, deeper)
+    state = getattr(value, "__dict__", None)
+    return name + (_canon(state, deeper) if state is not None else "")
+
+
+def scope_stamps(options: Any, rules: Iterable[Any], datasets: Mapping[str, Any]
+                 ) -> Callable[[Batch], str]:
+    """A function giving each batch its scope stamp: the code, the options that shape a
+    verdict and the facts of the batch's dataset, bucket and area."""
+    base = _canon((code_stamp(), bool(options.deep), sorted(r.code for r in rules),
+                   dict(options.settings)))
+    facts: dict[str | None, str] = {}
+    stamps: dict[tuple, str] = {}
+
+    def stamp(batch: Batch) -> str:
+        key = (batch.dataset, batch.bucket, batch.area)
+        found = stamps.get(key)
+        if found is None:
+            if batch.dataset not in facts:
+                facts[batch.dataset] = _canon(datasets.get(batch.dataset)) \
+                    if batch.dataset is not None else ""
+            found = stamps[key] = hashlib.sha256(
+                "\0".join((base, facts[batch.dataset], _canon(key))).encode()).hexdigest()[:DIGEST]
+        return found
+
+    return stamp
+
+
+# -- where ------------------------------------------------------------------------------------
+
+def user_dir() -> str:
+    """Where indexes of caches that cannot be written go."""
+    explicit = os.environ.get("CACHEDOCTOR_STATE_DIR")
+    if explicit:
+        return os.path.join(explicit, "index")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cachedoctor", "index")
+
+
+def places(root: str) -> list[str]:
+    """The index files a cache root may use, in order of preference."""
+    real = os.path.realpath(root)
+    key = hashlib.sha256(os.fsencode(real)).hexdigest()[:24]
+    return [os.path.join(root, STATE_DIR, NAME), os.path.join(user_dir(), f"{key}.sqlite")]
+
+
+def _refuse_links(path: str, in_cache: bool) -> None:
+    """SQLite follows links, and a rebuild deletes: a cache someone else made could point its
+    index, or its .cachedoctor/, at any file."""
+    names = (path, path + "-wal", path + "-shm", path + "-journal")
+    for link in ((os.path.dirname(path),) if in_cache else ()) + names:
+        if os.path.islink(link):
+            raise PermissionError(f"{link} is a symlink")
+
+
+def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
+    folder = os.path.dirname(path)
+    _refuse_links(path, in_cache)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(f"{path}: not writable")
+    if not os.access(folder, os.W_OK):  # WAL needs its -wal and -shm files beside it
+        raise PermissionError(f"{folder}: not writable")
+    db = sqlite3.connect(path, timeout=BUSY_MS / 1000, isolation_level=None,
+                         check_same_thread=False)
+    try:
+        db.execute(f"PRAGMA busy_timeout = {int(BUSY_MS)}")
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA cache_size = -32768")  # 32 MiB: a rescan's reads and a scan's inserts
+        db.executescript(_TABLES)
+        found = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if found is None:
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (SCHEMA,))
+        elif found[0] != SCHEMA:
+            raise sqlite3.DatabaseError(f"schema {found[0]!r}, not {SCHEMA!r}")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _locked(exc: sqlite3.Error) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
+def _remove(path: str) -> None:
+    for name in (path, path + "-wal", path + "-shm", path + "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Connection | None, str | None]:
+    """The index of `root`, at the first of its places that works: a corrupt one is rebuilt,
+    a locked one skipped (with a notice each); (None, None) when none can be used."""
+    problems = []
+    for n, path in enumerate(places(root)):
+        try:
+            if rebuild:
+                _refuse_links(path, n == 0)
+                _remove(path)
+            return _connect(path, n == 0), path
+        except sqlite3.Error as exc:
+            if _locked(exc):
+                notices.append(f"index {path} is locked by another process ({exc}): "
+                               "scanning without it")
+                return None, None
+            try:  # not a database, or not ours: start it afresh
+                _remove(path)
+                db = _connect(path, n == 0)
+            except (sqlite3.Error, OSError) as again:
+                problems.append(f"{path}: {again}")
+                continue
+            notices.append(f"index {path} was unreadable ({exc}): rebuilt")
+            return db, path
+        except OSError as exc:
+            problems.append(f"{path}: {exc.strerror or exc}")
+    notices.append("no writable place for the index (" + "; ".join(problems) +
+                   "): scanning without it")
+    return None, None
+
+
+# -- --changed-since ---------------------------------------------------------------------------
+
+def since_ns(text: str, db: sqlite3.Connection | None, roots: Iterable[str]) -> int:
+    """--changed-since's time in ns: epoch seconds, an ISO time (local time unless it says),
+    or the start of a scan this index recorded, or of a repair run of one of `roots`."""
+    text = text.strip()
+    try:
+        return int(float(text) * 1e9)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
+    except ValueError:
+        pass
+    else:
+        return int(moment.astimezone().timestamp() * 1e9)
+    if db is not None:
+        try:
+            found = db.execute("SELECT started_ns FROM scans WHERE id = ?", (text,)).fetchone()
+        except sqlite3.Error:
+            found = None
+        if found is not None:
+            return int(found[0])
+    for root in roots:
+        journal = os.path.join(root, STATE_DIR, "journal.sqlite")
+        if not os.path.isfile(journal):
+            continue
+        try:
+            con = sqlite3.connect(f"file:{journal}?mode=ro", uri=True, timeout=1)
+            try:
+                found = con.execute("SELECT started FROM runs WHERE run_id = ?", (text,)).fetchone()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            continue
+        if found is not None and isinstance(found[0], (int, float)):
+            return int(found[0] * 1e9)
+    raise SinceError(f"--changed-since {text!r}: not an ISO time or epoch seconds, nor a scan or "
+                     "repair run recorded for this cache")
+
+
+# -- one scan's use of the index ----------------------------------------------------------------
+
+@dataclass
+class Reused:
+    """A batch's files whose verdicts came from the index (the fields of engine.ChunkResult)."""
+
+    files: int = 0
+    bytes: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    summaries: list[tuple[str, bytes]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    coverage: list[CoverageRow] = field(default_factory=list)
+    records: tuple = ()
+
+
+_SIDE_NAMES = frozenset({INDEX_NAME, INDEX_NAME + "-journal", INDEX_NAME + "-wal",
+                         INDEX_NAME + "-shm"})
+
+
+def recordable(role: str, area: str, name: str) -> bool:
+    """Whether a file of this role is recorded: latents, text embeddings, images of an image
+    dir; not a diffusion-pipe shard or its offsets table (whose verdicts depend on each other)."""
+    if role in (LATENT, TEXT):
+        return name not in _SIDE_NAMES and SHARD_PATTERN.match(name) is None
+    return role == IMAGE and area == "images"
+
+
+_STAT = tuple[int, int, int, int, int]
+_KEY = operator.itemgetter(0, 1)
+MEMO = 65_536  # decoded texts kept per scan (a cache's files share a few summaries)
+
+
+def stat_key(path: str) -> _STAT | None:
+    """What a row is keyed on besides the path; None when the file cannot be stat'ed (its
+    reader says why)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
+
+
+class Session:
+    """One scan's use of an index (`db`, or none: then only --changed-since applies): splits
+    each batch into the files it can reuse and those to read, and records what was read.
+
+    Only files that have a row are stat'ed here (a first scan stats nothing more than a scan
+    without the index: the workers stat each file they record, before reading it)."""
+
+    def __init__(self, db: sqlite3.Connection | None, where: str | None,
+                 stamp: Callable[[Batch], str], exclude: tuple[str, ...], keep_paths: bool,
+                 since: int | None, notices: list[str]) -> None:
+        self.db, self.where, self.stamp = db, where, stamp
+        self.exclude, self.keep_paths, self.since = exclude, keep_paths, since
+        self.notices = notices
+        self.started = time.time_ns()
+        self.scan_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(2)
+        self.reused = 0
+        self.unjudged = 0  # files unchanged since --changed-since: their file findings left out
+        self.old: set[str] = set()  # files being read that did not change since --changed-since
+        self.rows: list[tuple] = []
+        self.new_texts: list[tuple[int, str | bytes]] = []
+        self.dirs: dict[int, str] = {}  # directory ids met (for --changed-since)
+        self.texts: dict[int, str] = {}  # id -> text, read back
+        self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
+        self.found: dict[int, list] = {}  # findings id -> decoded rows
+        self.directory: str | None = None  # the directory of the last lookup
+        self.empty = False  # no row at all (a first scan): nothing to look up
+        if db is not None:
+            try:
+                self.empty = db.execute("SELECT 1 FROM files LIMIT 1").fetchone() is None
+            except sqlite3.Error as exc:
+                self._drop(f"cannot read the index {where} ({exc}): reading every file")
+
+    def split(self, batches: Iterable[Batch], on_reused: Callable[[Reused], None]) -> Iterator[Batch]:
+        """The files of `batches` to read; `on_reused` gets the verdicts of the others."""
+        for batch in batches:
+            keep, reused = self._split(batch)
+            if reused.files:
+                self.reused += reused.files
+                on_reused(reused)
+            if keep or batch.errors:
+                yield batch._replace(names=tuple(keep))
+
+    def _split(self, batch: Batch) -> tuple[list[str], Reused]:
+        reused = Reused()
+        head = os.path.join(batch.directory, "")
+        exclude = self.exclude
+        names = [n for n in batch.names if not excluded(head + n, exclude)] if exclude \
+            else batch.names
+        rows = self._lookup(batch.directory, names)  # (only recordable files have rows)
+        scope = text_id(self.stamp(batch)) if rows else None
+        keep: list[str] = []
+        summaries: list[FileSummary] = []
+        since, dataset, templates = self.since, batch.dataset or "", self.templates
+        stat = os.stat
+        for name in names:
+            path = head + name
+            row = rows.get(name)
+            if row is None and since is None:
+                keep.append(name)
+                continue
+            try:
+                st = stat(path)
+            except OSError:
+                keep.append(name)
+                continue
+            old = False
+            if since is not None:
+                old = max(st.st_mtime_ns, st.st_ctime_ns) < since
+                self.unjudged += old
+            if row is not None and row[6] == scope and row[1:6] == (
+                    st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns):
+                template = templates.get(row[8])
+                if template is not None and row[9] is None and row[10] is None:
+                    # the common case, inline: a clean file whose summary text is decoded
+                    summaries.append(FileSummary(path, *template[0], st.st_mtime, *template[1]))
+                    reused.files += 1
+                    reused.bytes += row[7]
+                    if self.keep_paths:
+                        reused.paths.append(path)
+                    continue
+                verdict = self._verdict(row, path, dataset, st.st_mtime)
+                if verdict is not None:
+                    found, summary, coverage = verdict
+                    reused.files += 1
+                    reused.bytes += row[7]
+                    if not old:
+                        reused.findings.extend(found)
+                    if summary is not None:
+                        summaries.append(summary)
+                    if coverage is not None:
+                        reused.coverage.append(coverage)
+                    if self.keep_paths:
+                        reused.paths.append(path)
+                    continue
+            keep.append(name)
+            if old:
+                self.old.add(path)
+        if summaries:
+            reused.summaries.append(encode(batch.dataset, summaries))
+        return keep, reused
+
+    def _verdict(self, row: tuple, path: str, dataset: str, mtime: float
+                 ) -> tuple[list[Finding], FileSummary | None, CoverageRow | None] | None:
+        """A row's findings, summary and coverage row, or None when it does not decode (written
+        by something else: the file is read again)."""
+        try:
+            summary = coverage = None
+            if row[8] is not None:
+                template = self.templates.get(row[8])
+                if template is None:
+                    template = self.templates[row[8]] = _template(self.texts[row[8]])
+                summary = FileSummary(path, *template[0], mtime, *template[1])
+            found: list[Finding] = []
+            if row[9] is not None:
+                rows = self.found.get(row[9])
+                if rows is None:
+                    rows = self.found[row[9]] = json.loads(self.texts[row[9]])
+                found = [_finding(f, path) for f in rows]
+            if row[10] is not None:
+                side, key, flag, note = row[10:14]
+                if type(side) is not int or type(flag) is not int:
+                    raise ValueError("not a coverage row")
+                coverage = CoverageRow(dataset, side, key, path, mtime, flag, note)
+        except Exception:
+            return None
+        return found, summary, coverage
+
+    def _lookup(self, directory: str, names: list[str]) -> dict[str, tuple]:
+        """The rows of `names` in `directory` (and the texts they name, into self.texts): the
+        whole directory's rows at once when this is its first batch and not a full one (a
+        big directory comes in several batches: those ask for their names)."""
+        if self.db is None or not names or self.empty:
+            return {}
+        found = {}
+        folder = text_id(os.fsencode(directory))
+        columns = ("SELECT name, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
+                   "findings, side, key, flag, note FROM files WHERE dir = ?")
+        try:
+            if directory != self.directory and len(names) < WHOLE_DIR:
+                wanted = set(names)
+                for row in self.db.execute(columns, (folder,)):
+                    name = row[0].decode(FS, "surrogateescape")
+                    if name in wanted:
+                        found[name] = row
+            else:
+                for start in range(0, len(names), LOOKUP_CHUNK):
+                    chunk = [n.encode(FS, "surrogateescape")
+                             for n in names[start:start + LOOKUP_CHUNK]]
+                    marks = ",".join("?" * len(chunk))
+                    for row in self.db.execute(f"{columns} AND name IN ({marks})",
+                                               (folder, *chunk)):
+                        found[row[0].decode(FS, "surrogateescape")] = row
+            self.directory = directory
+            wanted = {i for row in found.values() for i in (row[8], row[9])
+                      if i is not None and i not in self.texts}
+            if wanted:
+                if len(self.texts) > MEMO:
+                    self.texts.clear()
+                    self.templates.clear()
+                    self.found.clear()
+                ids = sorted(wanted)
+                for start in range(0, len(ids), LOOKUP_CHUNK):
+                    chunk = ids[start:start + LOOKUP_CHUNK]
+                    self.texts.update(self.db.execute(
+                        f"SELECT id, text FROM texts WHERE id IN ({','.join('?' * len(chunk))})",
+                        chunk))
+        except (sqlite3.Error, TypeError, ValueError) as exc:
+            self._drop(f"cannot read the index {self.where} ({exc}): reading every file")
+            return {}
+        return found
+
+    def judged(self, findings: list[Finding]) -> list[Finding]:
+        """The file findings of a batch just read, without those of files that did not change
+        since --changed-since."""
+        if not self.old:
+            return findings
+        return [f for f in findings if f.path not in self.old]
+
+    def store(self, records: Records | None) -> None:
+        """Record the verdicts of files just read (written in batches of COMMIT_EVERY). A file
+        modified less than RACY_NS before the scan began is not recorded."""
+        if records is None:
+            return
+        if self.old:
+            dirs = {i: os.fsdecode(t) for i, t in records.texts if isinstance(t, bytes)}
+            dirs.update(self.dirs)
+            self.dirs = dirs
+            for row in records.rows:
+                if row[0] in dirs:
+                    self.old.discard(os.path.join(dirs[row[0]], os.fsdecode(row[1])))
+        if self.db is None:
+            return
+        racy = self.started - RACY_NS
+        self.rows.extend(row for row in records.rows if row[3] < racy)
+        self.new_texts.extend(records.texts)
+        if len(self.rows) >= COMMIT_EVERY:
+            self._flush()
+
+    def _flush(self) -> None:
+        rows, self.rows = self.rows, []
+        texts, self.new_texts = self.new_texts, []
+        if not rows or self.db is None:
+            return
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.executemany("INSERT OR IGNORE INTO texts VALUES (?, ?)", texts)
+                rows.sort(key=_KEY)  # in key order: half the b-tree work of the walk's order
+                self.db.executemany("INSERT OR REPLACE INTO files VALUES "
+                                    "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+        except (sqlite3.Error, ValueError, TypeError) as exc:
+            self._drop(f"cannot write the index {self.where} ({exc}): this scan's results are "
+                       "not recorded")
+
+    def _drop(self, notice: str) -> None:
+        self.notices.append(notice)
+        if self.db is not None:
+            self.db.close()
+        self.db = None
+
+    def close(self, files: int, full: bool) -> dict[str, Any]:
+        """Write what is left, record the scan (prune rows of files gone after a `full` scan
+        when they are many) and say what the index did."""
+        self._flush()
+        if self.db is not None:
+            try:
+                self.db.execute("INSERT OR REPLACE INTO scans VALUES (?, ?, ?, ?, ?)",
+                                (self.scan_id, self.started, time.time_ns(), files, self.reused))
+                if full:
+                    self._prune(files)
+            except sqlite3.Error as exc:
+                self.notices.append(f"cannot write the index {self.where} ({exc})")
+            self.db.close()
+            self.db = None
+        stats: dict[str, Any] = {"read": files - self.reused, "reused": self.reused}
+        if self.since is not None:
+            stats["judged"] = files - self.unjudged
+        if self.where is not None:
+            stats["scan"] = self.scan_id
+            stats["location"] = self.where
+        return stats
+
+    def _prune(self, files: int) -> None:
+        """Rows of files that are gone, once they outnumber the files a scan saw (an index
+        shared by scans of other targets keeps theirs: they still exist), and texts no row
+        names."""
+        assert self.db is not None
+        (rows,) = self.db.execute("SELECT count(*) FROM files").fetchone()
+        if rows <= 2 * files + 10_000:
+            return
+        gone = [(d, n) for d, n, path in self.db.execute(
+                    "SELECT f.dir, f.name, t.text FROM files f LEFT JOIN texts t ON t.id = f.dir")
+                if not isinstance(path, bytes)
+                or not os.path.lexists(os.path.join(os.fsdecode(path), os.fsdecode(n)))]
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", gone)
+        self.db.execute("DELETE FROM texts WHERE id NOT IN (SELECT scope FROM files UNION "
+                        "SELECT summary FROM files UNION SELECT findings FROM files UNION "
+                        "SELECT dir FROM files)")
+        self.db.execute("COMMIT")
+
+
+def open_session(roots: list[str], options: Any, rules: list[Any], datasets: Mapping[str, Any],
+                 notices: list[str]) -> Session | None:
+    """This scan's session, or None when it uses no index and no --changed-since. `roots`:
+    the directories the scan walks (the index lives in the first one's .cachedoctor/)."""
+    use = options.index and roots
+    if not use and options.changed_since is None:
+        return None
+    db, where = open_db(roots[0], options.rebuild_index, notices) if use else (None, None)
+    since = None
+    if options.changed_since is not None:
+        try:
+            since = since_ns(options.changed_since, db, roots)
+        except SinceError:
+            if db is not None:
+                db.close()
+            raise
+    return Session(db, where, scope_stamps(options, rules, datasets), options.exclude,
+                   options.keep_paths, since, notices)

@@ -1,0 +1,359 @@
+"""The incremental index (cachedoctor/index.py): a rescan reuses the verdicts of unchanged files
+and reads every file whose stat changed, with results identical to a scan without the index;
+a corrupt, locked or unwritable index never changes a result."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cachedoctor import engine, index
+from cachedoctor.config import ConfigError
+from cachedoctor.fixtures.demo import write_demo
+from cachedoctor.options import ScanOptions
+
+OPTIONS = ScanOptions(jobs=1)
+HOUR = 3600
+
+
+def _age(root: Path, seconds: float = HOUR) -> None:
+    """Files as a trainer left them a while ago (the index records no file modified in the
+    last RACY_NS); older files keep their age (the demo's day-old temp file)."""
+    past = time.time() - seconds
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mtime > past:
+            os.utime(path, (past, past))
+
+
+@pytest.fixture(scope="module")
+def demo_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("demo") / "cache"
+    write_demo(root)
+    _age(root)
+    return root
+
+
+@pytest.fixture
+def demo(demo_template: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "cache"
+    shutil.copytree(demo_template, root, symlinks=True)  # copy2: mtimes kept
+    return root
+
+
+def scan(root: Path, **changes) -> engine.Report:
+    return engine.scan([str(root)], dataclasses.replace(OPTIONS, **changes))
+
+
+def fresh(root: Path, **changes) -> engine.Report:
+    return scan(root, index=False, **changes)
+
+
+def same(*reports: engine.Report) -> bool:
+    """Whether the reports say the same (a temp file's age in seconds ticks between two scans)."""
+    def comparable(report: engine.Report) -> tuple:
+        findings = tuple(dataclasses.replace(f, details={k: v for k, v in f.details.items()
+                                                         if k != "age_seconds"})
+                         for f in report.findings)
+        return (report.files, report.bytes, report.datasets, report.trainers, findings)
+
+    first = comparable(reports[0])
+    return all(comparable(r) == first for r in reports[1:])
+
+
+def recordable(root: Path) -> int:
+    """How many files of the demo the index records (latents; no temp file, image, caption)."""
+    return sum(1 for p in root.rglob("*.pt") if ".cachedoctor" not in p.parts)
+
+
+def test_a_rescan_reuses_every_recorded_file_and_finds_the_same(demo: Path) -> None:
+    before = fresh(demo)
+    assert not (demo / ".cachedoctor").exists()
+    first = scan(demo)
+    assert (demo / ".cachedoctor" / index.NAME).is_file()
+    again = scan(demo)
+    assert same(before, first, again)
+    assert {f.code for f in again.findings} >= {"CD101", "CD102", "CD105", "CD107", "CD201", "CD502"}
+    assert first.index["reused"] == 0 and first.index["read"] == first.files
+    assert again.index["reused"] == recordable(demo)
+    assert again.index["read"] == again.files - recordable(demo)
+
+
+def _same_size_new_inode(path: Path) -> None:
+    """Replace `path` with other bytes of the same size and the same mtime (a new inode)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)  # the tail zeroed: a torn archive
+    other = path.with_name(path.name + ".new")
+    other.write_bytes(bytes(data))
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, path)
+    new = path.stat()
+    assert (new.st_size, new.st_mtime_ns) == (st.st_size, st.st_mtime_ns) and new.st_ino != st.st_ino
+
+
+def _touch(path: Path) -> None:
+    os.utime(path, (time.time() - 60, time.time() - 60))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _add(path: Path) -> None:
+    shutil.copy2(path.parent / "retained_batch_3.pt", path.parent / "retained_batch_copy.pt")
+
+
+def _delete(path: Path) -> None:
+    (path.parent / "truncated_archive.pt").unlink()
+
+
+@pytest.mark.parametrize("change", [_touch, _same_size_new_inode, _truncate, _add, _delete])
+def test_a_changed_file_is_read_again(demo: Path, change) -> None:
+    scan(demo)
+    change(demo / "latent_000.pt")
+    after = scan(demo)
+    assert same(after, fresh(demo))
+    if change is _touch:
+        assert after.index["reused"] == recordable(demo) - 1
+    elif change in (_same_size_new_inode, _truncate):
+        assert after.index["reused"] == recordable(demo) - 1
+        assert any(f.path == str(demo / "latent_000.pt") and f.code == "CD101" for f in after.findings)
+    elif change is _add:
+        assert after.index["reused"] == recordable(demo) - 1
+        assert any(f.path.endswith("retained_batch_copy.pt") and f.code == "CD201" for f in after.findings)
+    else:
+        assert after.index["reused"] == recordable(demo)
+        assert not any(f.path.endswith("truncated_archive.pt") for f in after.findings)
+
+
+def test_another_code_or_rule_selection_rejudges_everything(demo: Path, monkeypatch) -> None:
+    scan(demo)
+    monkeypatch.setattr(index, "code_stamp", lambda: "another release")
+    changed = scan(demo)
+    assert changed.index["reused"] == 0 and same(changed, fresh(demo))
+    assert scan(demo).index["reused"] == recordable(demo)
+    narrower = scan(demo, select=("CD1",))
+    assert narrower.index["reused"] == 0 and same(narrower, fresh(demo, select=("CD1",)))
+    assert scan(demo, deep=True).index["reused"] == 0
+
+
+def test_the_code_stamp_follows_every_source_byte(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "rule.py").write_text("LIMIT = 1\n")
+    stamp = index.source_digest("1.0", [str(tmp_path / "pkg")])
+    assert stamp == index.source_digest("1.0", [str(tmp_path / "pkg")])
+    assert stamp != index.source_digest("1.1", [str(tmp_path / "pkg")])
+    (tmp_path / "pkg" / "rule.py").write_text("LIMIT = 2\n")
+    assert stamp != index.source_digest("1.0", [str(tmp_path / "pkg")])
+    assert index.code_stamp() == index.code_stamp()
+
+
+def test_a_corrupt_index_is_rebuilt_with_a_notice(demo: Path) -> None:
+    scan(demo)
+    db = demo / ".cachedoctor" / index.NAME
+    for side in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        side.unlink(missing_ok=True)
+    db.write_bytes(os.urandom(8192))
+    rebuilt = scan(demo)
+    assert same(rebuilt, fresh(demo))
+    assert any("rebuilt" in n for n in rebuilt.index["notices"])
+    assert scan(demo).index["reused"] == recordable(demo)
+
+
+def test_tampered_rows_are_read_again(demo: Path) -> None:
+    scan(demo)
+    with sqlite3.connect(demo / ".cachedoctor" / index.NAME) as db:
+        db.execute("UPDATE files SET findings = '[[\"CD999\"' , summary = 'cos\\nsystem\\n'")
+    tampered = scan(demo)
+    assert same(tampered, fresh(demo))
+    assert tampered.index["reused"] == 0
+
+
+@pytest.mark.parametrize("hold", ["BEGIN EXCLUSIVE", "PRAGMA locking_mode = EXCLUSIVE"])
+def test_a_locked_index_is_skipped_with_a_notice(demo: Path, monkeypatch, hold: str) -> None:
+    scan(demo)
+    _touch(demo / "latent_001.pt")  # something to write
+    monkeypatch.setattr(index, "BUSY_MS", 100)
+    holder = sqlite3.connect(demo / ".cachedoctor" / index.NAME, isolation_level=None)
+    try:
+        holder.execute(hold)
+        if hold.startswith("PRAGMA"):  # the exclusive lock is taken by the next write
+            holder.execute("BEGIN IMMEDIATE")
+            holder.execute("INSERT OR REPLACE INTO meta VALUES ('held', '1')")
+            holder.execute("COMMIT")
+        locked = scan(demo)
+    finally:
+        holder.close()
+    assert same(locked, fresh(demo))
+    assert any("lock" in n for n in locked.index["notices"]), locked.index
+
+
+def test_two_concurrent_scans_share_the_index(demo: Path) -> None:
+    command = [sys.executable, "-m", "cachedoctor", "scan", "--format", "json", "--isolated",
+               "--fail-on", "never", "-j", "1", str(demo)]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    expected = fresh(demo)
+    for stdout, _ in outputs:
+        assert json.loads(stdout)["summary"]["findings"] == expected.counts
+    with sqlite3.connect(demo / ".cachedoctor" / index.NAME) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert db.execute("SELECT count(*) FROM scans").fetchone() == (2,)
+    after = scan(demo)
+    assert same(after, expected) and after.index["reused"] == recordable(demo)
+
+
+def test_a_cache_that_cannot_hold_the_index_uses_the_user_dir(demo: Path, tmp_path: Path,
+                                                               monkeypatch) -> None:
+    (demo / ".cachedoctor").write_text("not a directory\n")  # .cachedoctor/ cannot be made
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(tmp_path / "state"))
+    first = scan(demo)
+    again = scan(demo)
+    assert same(first, again, fresh(demo))
+    assert again.index["reused"] == recordable(demo)
+    assert again.index["location"].startswith(str(tmp_path / "state" / "index"))
+    # and with no writable place at all, the scan runs without one
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(demo / ".cachedoctor" / "state"))
+    bare = scan(demo)
+    assert same(bare, fresh(demo)) and bare.index["reused"] == 0
+    assert any("no writable place" in n for n in bare.index["notices"])
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes read-only dirs")
+def test_a_read_only_cache_works(demo: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(tmp_path / "state"))
+    dirs = [demo, *[p for p in demo.rglob("*") if p.is_dir()]]
+    for d in dirs:
+        d.chmod(0o555)
+    try:
+        first, again = scan(demo), scan(demo)
+    finally:
+        for d in dirs:
+            d.chmod(0o755)
+    assert same(first, again, fresh(demo))
+    assert not (demo / ".cachedoctor").exists()
+    assert again.index["reused"] == recordable(demo)
+
+
+def test_a_symlinked_state_dir_is_not_followed(demo: Path, tmp_path: Path, monkeypatch) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (demo / ".cachedoctor").symlink_to(elsewhere)
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(tmp_path / "state"))
+    assert same(scan(demo, rebuild_index=True), fresh(demo))
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_no_index_and_rebuild_index(demo: Path) -> None:
+    fresh(demo)
+    assert not (demo / ".cachedoctor").exists()
+    scan(demo)
+    rebuilt = scan(demo, rebuild_index=True)
+    assert rebuilt.index["reused"] == 0 and same(rebuilt, fresh(demo))
+    assert scan(demo).index["reused"] == recordable(demo)
+
+
+def test_changed_since_judges_changed_files_and_every_dataset(demo: Path) -> None:
+    first = scan(demo)
+    _truncate(demo / "latent_000.pt")
+    _add(demo / "latent_000.pt")
+    since = scan(demo, changed_since=first.index["scan"])
+    changed = {str(demo / "latent_000.pt"), str(demo / "retained_batch_copy.pt")}
+    full = fresh(demo)
+    file_codes = {"CD101", "CD102", "CD104", "CD105", "CD107", "CD201", "CD501"}
+    assert {f.path for f in since.findings if f.code in file_codes} == changed
+    # the dataset rules saw every file: CD502 (devices mixed across files) is found as before
+    assert [f for f in since.findings if f.code not in file_codes] == \
+        [f for f in full.findings if f.code not in file_codes] != []
+    assert since.index["judged"] == 2 and since.index["reused"] == recordable(demo) - 2
+    assert since.files == full.files
+    # a time works as a run does; one in the future judges nothing, one long ago everything
+    assert scan(demo, changed_since=str(time.time() + HOUR)).index["judged"] == 0
+    assert same(scan(demo, changed_since="2001-01-01T00:00:00Z"), full)
+
+
+def test_changed_since_a_repair_run(demo: Path) -> None:
+    from cachedoctor.repair.journal import Journal
+
+    with Journal.open(str(demo)) as journal:
+        journal.begin_run("run-1", [], "fix")
+    _truncate(demo / "latent_000.pt")
+    report = scan(demo, changed_since="run-1")
+    assert report.index["judged"] == 1
+    with pytest.raises(ConfigError, match="changed-since 'nothing-like-it'"):
+        scan(demo, changed_since="nothing-like-it")
+
+
+def test_the_fixture_corpus_scans_the_same_with_the_index(tmp_path: Path) -> None:
+    from cachedoctor.fixtures import corpus
+
+    for name in corpus.BUILDERS:
+        tree = corpus.build(name, tmp_path / name)
+        dataset, codes = next(iter(tree.plantable.items()))
+        planted = corpus.build(name, tmp_path / f"{name}-planted", plant=(dataset, codes[0]))
+        for root in (tree.root, planted.root):
+            _age(root)
+            before = fresh(root)
+            assert same(before, scan(root)), name
+            again = scan(root)
+            assert same(again, before), name
+            assert again.index["reused"] > 0, name
+
+
+def test_the_command_line_flags(demo: Path) -> None:
+    from conftest import invoke
+
+    args = ("scan", "--isolated", "--fail-on", "never", "-j", "1", "--format", "json", str(demo))
+    plain = invoke(*args, "--no-index")
+    assert plain.exit_code == 0 and not (demo / ".cachedoctor").exists()
+    first = invoke(*args)
+    assert "index:" not in first.stderr  # nothing reused yet: nothing to say
+    again = invoke(*args)
+    assert f"index: 3 files read, {recordable(demo):,} reused" in again.stderr  # tmp, png, txt
+    def found(result) -> list:  # (a temp file's age ticks between scans)
+        return [(f["code"], f["path"], f["message"]) for f in json.loads(result.stdout)["findings"]]
+
+    assert found(again) == found(plain)
+    rebuilt = invoke(*args, "--rebuild-index")
+    assert "reused" not in rebuilt.stderr
+    since = invoke(*args, "--changed-since", str(time.time() + HOUR))
+    assert "judged the 0 changed since" in since.stderr
+    bad = invoke(*args, "--changed-since", "yesterday-ish")
+    assert bad.exit_code == 2 and "--changed-since 'yesterday-ish'" in bad.stderr
+
+
+def test_the_api_takes_the_index_options(demo: Path) -> None:
+    import cachedoctor
+
+    assert cachedoctor.scan(demo, isolated=True, index=False).index == {}
+    cachedoctor.scan(demo, isolated=True, jobs=1)
+    assert cachedoctor.scan(demo, isolated=True, jobs=1).index["reused"] == recordable(demo)
+    report = cachedoctor.scan(demo, isolated=True, jobs=1, changed_since=time.time() + HOUR)
+    assert report.index["judged"] == 0
+
+
+def test_a_big_directory_is_looked_up_by_name(demo: Path, monkeypatch) -> None:
+    monkeypatch.setattr(index, "WHOLE_DIR", 1)  # every batch asks for its names
+    scan(demo)
+    _truncate(demo / "latent_000.pt")
+    again = scan(demo)
+    assert same(again, fresh(demo)) and again.index["reused"] == recordable(demo) - 1
+
+
+def test_a_report_with_index_figures_pickles(demo: Path) -> None:
+    import pickle
+
+    report = scan(demo)
+    assert pickle.loads(pickle.dumps(report)).index == report.index
