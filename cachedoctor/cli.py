@@ -81,9 +81,16 @@ def scan(
         help="A config file, or a TOML 'KEY = VALUE' override (repeatable).")] = None,
     isolated: Annotated[bool, typer.Option(help="Ignore every config file.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="One row per finding, no collapsing.")] = False,
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="S3-compatible endpoint for s3:// targets and aws backends.")] = None,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
     from cachedoctor.reporters import reporter
+
+    if endpoint_url:
+        from cachedoctor.remote.client import set_endpoint_url
+
+        set_endpoint_url(endpoint_url)
 
     _check_jobs(jobs)
     import dataclasses

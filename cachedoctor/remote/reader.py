@@ -1,0 +1,177 @@
+"""Read S3 objects through the readers' byte Source: ranged GETs of only the bytes they need.
+
+Before a batch of objects is read, their windows are fetched by a thread pool (THREADS
+requests in flight): an object up to WHOLE_OBJECT bytes in one GET, a bigger one as its head
+and its tail (where torch keeps data.pkl and the zip central directory, and safetensors its
+header) in two ranged GETs. Any other range a reader asks for is one more ranged GET (--deep
+reads every tensor's bytes that way). A gzip-compressed cache (SimpleTuner `compress_cache`)
+has its central directory inside the compressed stream: it is streamed, 1 MiB per GET, and
+inflated under the scan's 64 MiB cap. Every GET carries `If-Match: <ETag from the listing>`,
+so an object rewritten during the scan is reported as changed, never read half old, half new.
+Images are never fetched: the listing's size and LastModified are all coverage needs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+from cachedoctor.formats import UNREADABLE, read_source
+from cachedoctor.formats.meta import EMPTY, IMAGE, UNKNOWN, FileMeta
+from cachedoctor.formats.source import Window, windowed_pread
+from cachedoctor.inventory import IMAGE as IMAGE_ROLE
+from cachedoctor.inventory import LATENT, TEXT, Batch, Entry
+from cachedoctor.remote import client as clients
+from cachedoctor.remote import split
+
+WHOLE_OBJECT = 256 * 1024  # one request either way; below this, the bytes cost less than a second request
+WINDOW = 64 * 1024  # head and tail of a bigger object
+
+
+class RemoteError(OSError):
+    """A request failed (after botocore's retries); its text is clients.describe()'s."""
+
+
+class Fetched(NamedTuple):
+    size: int
+    mtime: float
+    etag: str
+    windows: tuple[Window, ...] = ()
+    error: str | None = None
+
+
+class S3Source:
+    """An object's bytes: the windows fetched with its batch, any other range on request."""
+
+    def __init__(self, url: str, fetched: Fetched) -> None:
+        self.url = url
+        self.size = fetched.size
+        self.mtime = fetched.mtime
+        self.etag = fetched.etag
+        self.windows = fetched.windows
+        whole = len(self.windows) == 1 and self.windows[0][0] == 0 and \
+            len(self.windows[0][1]) == self.size
+        self.buffer: bytes | None = self.windows[0][1] if whole else None
+
+    def pread(self, offset: int, n: int) -> bytes:
+        return windowed_pread(self, offset, n, self._get)
+
+    def _get(self, offset: int, n: int) -> bytes:
+        return get_range(self.url, self.etag, offset, n)
+
+
+def get_range(url: str, etag: str, offset: int, n: int) -> bytes:
+    """`n` bytes at `offset` of the object, as it was when listed (If-Match)."""
+    bucket, key = split(url)
+    extra = {"IfMatch": etag} if etag else {}
+    try:
+        reply = clients.client(bucket).get_object(
+            Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + n - 1}", **extra)
+        return reply["Body"].read()
+    except clients.MissingClient:
+        raise
+    except Exception as exc:
+        raise RemoteError(clients.describe(exc)) from None
+
+
+def wanted(size: int) -> tuple[tuple[int, int], ...]:
+    """The (offset, length) windows fetched up front for an object of `size` bytes."""
+    if size <= 0:
+        return ()
+    if size <= WHOLE_OBJECT:
+        return ((0, size),)
+    return ((0, WINDOW), (size - WINDOW, WINDOW))
+
+
+def needs_bytes(entry: Entry) -> bool:
+    """Whether the readers look into this object (images and the trainer's other files in an
+    image prefix are judged by the listing alone, as they are by a stat on disk)."""
+    return entry.role != IMAGE_ROLE and (entry.area != "images" or entry.role in (LATENT, TEXT))
+
+
+# What the batch being checked in this thread has fetched: url -> Fetched (engine.check_batch
+# fetches it before reading and drops it after).
+_local = threading.local()
+
+
+def prefetch(batch: Batch, entries: Iterable[Entry]) -> None:
+    """Fetch the windows of every object of `batch` the readers will look into, THREADS
+    requests at a time; remembered for read_entry until forget()."""
+    stats = batch.stats or {}
+    found: dict[str, Fetched] = {}
+    jobs: list[tuple[str, int, int]] = []
+    for entry in entries:
+        name = entry.path.rpartition("/")[2]
+        size, mtime, etag = stats.get(name, (0, 0.0, ""))
+        found[entry.path] = Fetched(size, mtime, etag)
+        if entry.error is None and needs_bytes(entry):
+            jobs.extend((entry.path, at, n) for at, n in wanted(size))
+    if jobs:
+        def one(job: tuple[str, int, int]) -> tuple[str, int, bytes | str]:
+            url, at, n = job
+            try:
+                return url, at, get_range(url, found[url].etag, at, n)
+            except RemoteError as exc:
+                return url, at, str(exc)
+
+        with ThreadPoolExecutor(min(clients.THREADS, len(jobs))) as pool:
+            results = list(pool.map(one, jobs))
+        windows: dict[str, list[Window]] = {}
+        for url, at, data in results:
+            if isinstance(data, str):
+                found[url] = found[url]._replace(error=data)
+            else:
+                windows.setdefault(url, []).append((at, data))
+        for url, got in windows.items():
+            if found[url].error is None:
+                found[url] = found[url]._replace(windows=tuple(got))
+    _local.fetched = found
+
+
+def forget() -> None:
+    _local.fetched = {}
+
+
+def read_entry(entry: Entry, deep: bool) -> FileMeta:
+    """The FileMeta of one object, from what prefetch() fetched (and more ranges on request)."""
+    fetched = getattr(_local, "fetched", {}).get(entry.path)
+    if fetched is None:  # not prefetched (a caller outside a batch): fetch it now
+        fetched = _fetch_one(entry)
+    if fetched.error:
+        return FileMeta(entry.path, fetched.size, UNREADABLE, errors=(fetched.error,),
+                        mtime=fetched.mtime)
+    if not needs_bytes(entry):
+        fmt = IMAGE if entry.role == IMAGE_ROLE else (EMPTY if fetched.size == 0 else UNKNOWN)
+        return FileMeta(entry.path, fetched.size, fmt, mtime=fetched.mtime)
+    src = S3Source(entry.path, fetched)
+    if not src.windows:
+        src.windows = ((0, b""),)
+    try:
+        meta = read_source(src, entry.path, deep=deep)
+    except OSError as exc:
+        meta = FileMeta(entry.path, src.size, UNREADABLE, errors=(str(exc),))
+    meta.mtime = fetched.mtime
+    return meta
+
+
+def _fetch_one(entry: Entry) -> Fetched:
+    bucket, key = split(entry.path)
+    try:
+        head = clients.client(bucket).head_object(Bucket=bucket, Key=key)
+    except clients.MissingClient:
+        raise
+    except Exception as exc:
+        return Fetched(0, 0.0, "", (), clients.describe(exc))
+    from cachedoctor.remote.listing import _time
+
+    fetched = Fetched(int(head.get("ContentLength", 0)), _time(head.get("LastModified")),
+                      str(head.get("ETag", "")))
+    if not needs_bytes(entry):
+        return fetched
+    try:
+        windows = tuple((at, get_range(entry.path, fetched.etag, at, n)) for at, n in wanted(fetched.size))
+    except RemoteError as exc:
+        return fetched._replace(error=str(exc))
+    return fetched._replace(windows=windows)
