@@ -379,11 +379,67 @@ def fix(
     if not dry_run and not yes and not sys.stdin.isatty():
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
+    from cachedoctor.repair.remote import remote_roots
+
+    try:
+        on_s3 = remote_roots(roots)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if on_s3:  # S3 caches: quarantine by copy, verify, delete (repair/remote.py)
+        if reencode:
+            raise fail("--reencode is not available for s3:// caches in this version")
+        raise typer.Exit(_fix_remote(targets, roots, options, dry_run, yes, verbose, include_info))
     reencoding = Reencode.of(chosen, layouts) if chosen is not None else None
     raise typer.Exit(_fix(targets, roots, options, reencoding, dry_run, yes, wait, verbose, include_info))
 
 
 CANCELLED = "cancelled: nothing changed"
+
+
+def _fix_remote(targets: list[str], roots: tuple[str, ...], options: ScanOptions, dry_run: bool,
+                yes: bool, verbose: bool, include_info: bool) -> int:
+    import shlex
+
+    from cachedoctor.engine import scan as run_scan
+    from cachedoctor.layouts import TargetError
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.remote import apply, build_remote_plan, render_plan, render_run
+
+    try:
+        plan = build_remote_plan(run_scan(targets, options), roots, include_info=include_info)
+    except TargetError as exc:
+        raise fail(str(exc)) from None
+    render_plan(plan, sys.stdout, verbose=verbose)
+    if not plan.actions:
+        typer.echo("Nothing to fix.")
+        return 0
+    if dry_run:
+        typer.echo("Dry run: nothing changed.")
+        return 0
+    if not yes and not confirm("Apply this plan?"):
+        typer.echo(CANCELLED)
+        return EXIT_INTERRUPTED
+    try:
+        result = apply(plan, command=shlex.join(sys.argv),
+                       warn=lambda line: typer.echo(f"cachedoctor: warning: {line}", err=True))
+    except JournalError as exc:
+        raise fail(str(exc)) from None
+    render_run(result, sys.stdout)
+    return EXIT_FINDINGS if result.count("failed") else 0
+
+
+def _undo_remote(run_id: str | None, cache: list[str]) -> int:
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.remote import RemoteFixError, render_run, undo
+
+    if len(cache) != 1:
+        raise fail("undo takes one s3:// --cache at a time")
+    try:
+        result = undo(run_id, cache[0], warn=lambda line: typer.echo(f"cachedoctor: warning: {line}", err=True))
+    except (RemoteFixError, JournalError) as exc:
+        raise fail(str(exc)) from None
+    render_run(result, sys.stdout, undoing=True)
+    return EXIT_FINDINGS if result.count("conflict") else 0
 
 
 def _fix(targets: list[str], roots: tuple[str, ...], options: ScanOptions, reencode: Reencode | None,
@@ -544,6 +600,8 @@ def undo(
     from cachedoctor.repair.undo import NothingToUndo, undo_run
     from cachedoctor.units import age
 
+    if cache and any(c.startswith("s3://") for c in cache):  # an S3 cache (repair/remote.py)
+        raise typer.Exit(_undo_remote(run_id, cache))
     for directory in cache or ():
         if not os.path.isdir(directory):
             raise fail(f"--cache {directory}: not a directory")
