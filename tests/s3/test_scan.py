@@ -24,6 +24,9 @@ def defective_tree(root: Path, marker: Path) -> Path:
     clean(tree / "gz", n=2, container="gzip")
     clean(tree / "big", n=1, shape=(16, 160, 160))  # > 256 KiB: read as head and tail ranges
     BUILDERS["CD101"](tree / "torn")
+    BUILDERS["CD101"](tree / "torn_gz", how="gzip")  # streamed through ranged GETs
+    BUILDERS["CD101"](tree / "torn_st", how="safetensors")
+    BUILDERS["CD101"](tree / "torn_big", shape=(16, 160, 160))  # cut, and read by head and tail
     BUILDERS["CD201"](tree / "batch", batch_size=4)
     BUILDERS["CD105"](tree / "hostile", marker=marker)
     (tree / "notes.txt").write_text("not a cache\n")
@@ -37,6 +40,7 @@ def test_an_s3_prefix_gets_the_findings_of_the_same_tree_on_disk(s3: Bucket, tmp
     on_disk = scan_paths(tree)
     remote = scan_paths(s3.url("runs/latents"))
     assert {"CD101", "CD201", "CD105"} <= {f.code for f in on_disk.findings}
+    assert len([f for f in on_disk.findings if f.code == "CD101"]) == 4
     assert relative(remote.findings, s3.url("runs/latents")) == relative(on_disk.findings, str(tree))
     assert remote.files == on_disk.files
     assert all(f.path.startswith(s3.url("runs/latents/")) for f in remote.findings)
