@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from cachedoctor.formats import UNREADABLE, read_source
 from cachedoctor.formats.meta import EMPTY, IMAGE, UNKNOWN, FileMeta
+from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
 from cachedoctor.formats.source import Window, windowed_pread
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
 from cachedoctor.inventory import LATENT, TEXT, Batch, Entry
@@ -28,6 +29,9 @@ from cachedoctor.remote import split
 
 WHOLE_OBJECT = 256 * 1024  # one request either way; below this, the bytes cost less than a second request
 WINDOW = 64 * 1024  # head and tail of a bigger object
+# diffusion-pipe's offsets table is SQLite, which reads a file: said, never misjudged as blobs
+SHARDED = ("cannot read: a diffusion-pipe sharded cache (metadata.db and shard_<n>.bin) is not "
+           "checked on S3 in this version: copy the folder to disk and scan it there")
 
 
 class RemoteError(OSError):
@@ -102,11 +106,14 @@ def prefetch(batch: Batch, entries: Iterable[Entry]) -> None:
     stats = batch.stats or {}
     found: dict[str, Fetched] = {}
     jobs: list[tuple[str, int, int]] = []
+    sharded = INDEX_NAME in stats and any(SHARD_PATTERN.match(n) for n in stats)
     for entry in entries:
         name = entry.path.rpartition("/")[2]
         size, mtime, etag = stats.get(name, (0, 0.0, ""))
         found[entry.path] = Fetched(size, mtime, etag)
-        if entry.error is None and needs_bytes(entry):
+        if sharded and (SHARD_PATTERN.match(name) or name.startswith(INDEX_NAME)):
+            found[entry.path] = Fetched(size, mtime, etag, (), SHARDED)
+        elif entry.error is None and needs_bytes(entry):
             jobs.extend((entry.path, at, n) for at, n in wanted(size))
     if jobs:
         def one(job: tuple[str, int, int]) -> tuple[str, int, bytes | str]:

@@ -43,6 +43,8 @@ def test_an_s3_prefix_gets_the_findings_of_the_same_tree_on_disk(s3: Bucket, tmp
     assert len([f for f in on_disk.findings if f.code == "CD101"]) == 4
     assert relative(remote.findings, s3.url("runs/latents")) == relative(on_disk.findings, str(tree))
     assert remote.files == on_disk.files
+    pooled = scan_paths(s3.url("runs/latents"), jobs=2)  # worker processes, a client each
+    assert relative(pooled.findings, s3.url("runs/latents")) == relative(on_disk.findings, str(tree))
     assert all(f.path.startswith(s3.url("runs/latents/")) for f in remote.findings)
     assert not marker.exists()  # the hostile pickle was read, never run
 
@@ -162,3 +164,56 @@ def test_a_local_scan_never_imports_boto3(tmp_path: Path) -> None:
             "print('boto3' in sys.modules, 'botocore' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["False", "False"], done.stderr
+
+
+def test_a_diffusion_pipe_cache_is_said_to_be_unchecked_not_misjudged(s3: Bucket, tmp_path: Path) -> None:
+    from cachedoctor.fixtures.projects import diffusion_pipe
+
+    cache = diffusion_pipe.cache_of(diffusion_pipe.build(tmp_path / "p"))
+    assert not scan_paths(cache).findings
+    s3.upload(cache, "dp")
+    findings = scan_paths(s3.url("dp")).findings
+    assert findings and {f.code for f in findings} == {"CD001"}
+    assert all("not checked on S3" in f.message for f in findings)
+    names = {f.path.rpartition("/")[2] for f in findings}
+    assert "metadata.db" in names and all(n == "metadata.db" or n.startswith("shard_") for n in names)
+
+
+def test_throttled_requests_are_retried_with_backoff(s3: Bucket, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request's first try is answered 503 SlowDown (S3's throttling) by a proxy of the
+    moto app: botocore's standard retry mode tries again, and the scan sees every object."""
+    import threading
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from s3_helpers import free_port
+    from werkzeug.serving import make_server
+
+    clean(tmp_path / "c", n=3)
+    BUILDERS["CD101"](tmp_path / "c" / "torn")
+    s3.upload(tmp_path / "c", "c")
+    app = DomainDispatcherApplication(create_backend_app)  # a second app: share the bucket's data
+    seen: set[str] = set()
+    throttled = []
+
+    def flaky(environ, start_response):
+        request = f"{environ['REQUEST_METHOD']} {environ.get('PATH_INFO')}?{environ.get('QUERY_STRING')}"
+        if request not in seen:
+            seen.add(request)
+            throttled.append(request)
+            start_response("503 Slow Down", [("Content-Type", "application/xml")])
+            return [b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"]
+        return app(environ, start_response)
+
+    port = free_port()
+    server = make_server("127.0.0.1", port, flaky, threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        report = scan_paths(s3.url("c"))
+    finally:
+        server.shutdown()
+        thread.join()
+    assert report.files == 4 and [f.code for f in report.findings] == ["CD101"]
+    assert any(r.startswith("GET") for r in throttled) and len(throttled) >= 5
