@@ -153,6 +153,7 @@ def main() -> None:
         os.environ.pop(var, None)
     endpoint, slow = serve()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_EC2_METADATA_DISABLED": "true",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
     os.environ.update(env)
     start = time.perf_counter()

@@ -328,6 +328,8 @@ def fix(
                                             "or of every cache you fixed) and exit.")] = False,
     jobs: Annotated[int | None, typer.Option("-j", "--jobs", metavar="N", help="Scan worker processes.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every file of the plan.")] = False,
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="S3-compatible endpoint for s3:// targets and aws backends.")] = None,
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
 
@@ -339,6 +341,10 @@ def fix(
     from cachedoctor.repair.caches import cache_roots
     from cachedoctor.repair.plan import Reencode
 
+    if endpoint_url:
+        from cachedoctor.remote.client import set_endpoint_url
+
+        set_endpoint_url(endpoint_url)
     try:
         layouts = resolve(targets) if targets else []
         roots = cache_roots(layouts) if targets else None
@@ -588,6 +594,8 @@ def undo(
         metavar="DIR", help="The cache dir(s) whose journal to use (default: every cache you ran fix on).")] = None,
     wait: Annotated[float, typer.Option(metavar="SECONDS", help="Wait this many seconds for a fix or undo running "
                                              "on the same cache.")] = 0.0,
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="S3-compatible endpoint for an s3:// --cache.")] = None,
 ) -> None:
     """Put back every file a fix run changed, byte for byte.
 
@@ -601,6 +609,10 @@ def undo(
     from cachedoctor.units import age
 
     if cache and any(c.startswith("s3://") for c in cache):  # an S3 cache (repair/remote.py)
+        if endpoint_url:
+            from cachedoctor.remote.client import set_endpoint_url
+
+            set_endpoint_url(endpoint_url)
         raise typer.Exit(_undo_remote(run_id, cache))
     for directory in cache or ():
         if not os.path.isdir(directory):

@@ -95,6 +95,7 @@ def test_undo_from_the_bucket_mirror_alone(s3: Bucket, tmp_path: Path, monkeypat
     before = _cache(s3, tmp_path)
     result = remote.apply(_plan(s3))
     monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(tmp_path / "another-machine"))
-    undone = invoke("undo", result.run_id, "--cache", s3.url(PREFIX))
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the flag names the server instead
+    undone = invoke("undo", result.run_id, "--cache", s3.url(PREFIX), "--endpoint-url", s3.endpoint)
     assert undone.exit_code == 0, undone.output
     assert {k: s3.get(k) for k in s3.keys(PREFIX) if "/.cachedoctor/" not in k} == before

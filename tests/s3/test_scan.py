@@ -136,6 +136,14 @@ def test_credentials_are_never_printed(s3: Bucket, tmp_path: Path) -> None:
     assert "no such bucket" in result.output.lower()
 
 
+def test_no_credentials_is_one_line_exit_2(s3: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    result = invoke("scan", s3.url("anything"))
+    assert result.exit_code == 2 and "no AWS credentials found" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_the_endpoint_flag_reaches_the_server(s3: Bucket, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     clean(tmp_path / "c", n=2)
