@@ -1,21 +1,23 @@
 """Read S3 objects through the readers' byte Source: ranged GETs of only the bytes they need.
 
-Before a batch of objects is read, their windows are fetched by a thread pool (THREADS
-requests in flight): an object up to WHOLE_OBJECT bytes in one GET, a bigger one as its head
-and its tail (where torch keeps data.pkl and the zip central directory, and safetensors its
-header) in two ranged GETs. Any other range a reader asks for is one more ranged GET (--deep
-reads every tensor's bytes that way). A gzip-compressed cache (SimpleTuner `compress_cache`)
-has its central directory inside the compressed stream: it is streamed, 1 MiB per GET, and
-inflated under the scan's 64 MiB cap. Every GET carries `If-Match: <ETag from the listing>`,
-so an object rewritten during the scan is reported as changed, never read half old, half new.
+While a batch of objects is read, a thread pool fetches the windows of the objects after the
+one being parsed (THREADS requests in flight, at most AHEAD objects ahead, so memory stays
+bounded): an object up to WHOLE_OBJECT bytes in one GET, a bigger one as its head and its tail
+(where torch keeps data.pkl and the zip central directory, and safetensors its header) in two
+ranged GETs. Any other range a reader asks for is one more ranged GET (--deep reads every
+tensor's bytes that way). A gzip-compressed cache (SimpleTuner `compress_cache`) has its
+central directory inside the compressed stream: it is streamed, 1 MiB per GET, and inflated
+under the scan's 64 MiB cap. Every GET carries `If-Match: <ETag from the listing>`, so an
+object rewritten during the scan is reported as changed, never read half old, half new.
 Images are never fetched: the listing's size and LastModified are all coverage needs.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from cachedoctor.formats import UNREADABLE, read_source
@@ -95,17 +97,63 @@ def needs_bytes(entry: Entry) -> bool:
     return entry.role != IMAGE_ROLE and (entry.area != "images" or entry.role in (LATENT, TEXT))
 
 
-# What the batch being checked in this thread has fetched: url -> Fetched (engine.check_batch
-# fetches it before reading and drops it after).
+# The batch being checked in this thread (engine.check_batch opens it before reading and
+# closes it after): its objects' listing facts, and their windows fetched ahead of the reader.
 _local = threading.local()
+_pools: dict[int, ThreadPoolExecutor] = {}  # one per process (a forked worker makes its own)
+AHEAD = 2 * clients.THREADS  # objects fetched ahead of the one being read: bounds memory too
+
+
+def _pool() -> ThreadPoolExecutor:
+    pool = _pools.get(os.getpid())
+    if pool is None:
+        pool = _pools[os.getpid()] = ThreadPoolExecutor(clients.THREADS, "s3-read")
+    return pool
+
+
+class _Ahead:
+    """The objects of one batch in the order they will be read, each fetched (THREADS at a
+    time) while the ones before it are parsed, at most AHEAD objects ahead of the reader."""
+
+    def __init__(self, found: dict[str, Fetched], order: list[str]) -> None:
+        self.found, self.order = found, order
+        self.position = {url: i for i, url in enumerate(order)}
+        self.futures: dict[str, Future] = {}
+        self.submitted = 0
+
+    def take(self, url: str) -> Fetched | None:
+        at = self.position.get(url)
+        if at is not None and url in self.found:
+            while self.submitted < min(len(self.order), at + AHEAD):
+                ahead = self.order[self.submitted]
+                if ahead in self.found:  # (not taken already, out of order)
+                    self.futures[ahead] = _pool().submit(_windows, ahead, self.found[ahead])
+                self.submitted += 1
+        fetched = self.found.pop(url, None)  # read once: its bytes go with its FileMeta
+        if fetched is None or at is None:
+            return fetched
+        future = self.futures.pop(url, None)
+        return future.result() if future is not None else _windows(url, fetched)
+
+    def close(self) -> None:
+        for future in self.futures.values():
+            future.cancel()
+
+
+def _windows(url: str, fetched: Fetched) -> Fetched:
+    try:
+        return fetched._replace(windows=tuple(
+            (at, get_range(url, fetched.etag, at, n)) for at, n in wanted(fetched.size)))
+    except RemoteError as exc:
+        return fetched._replace(error=str(exc))
 
 
 def prefetch(batch: Batch, entries: Iterable[Entry]) -> None:
-    """Fetch the windows of every object of `batch` the readers will look into, THREADS
-    requests at a time; remembered for read_entry until forget()."""
+    """Start reading `batch`: the objects the readers will look into are fetched ahead of
+    read_entry, in `entries`' order, until forget()."""
     stats = batch.stats or {}
     found: dict[str, Fetched] = {}
-    jobs: list[tuple[str, int, int]] = []
+    order: list[str] = []
     sharded = INDEX_NAME in stats and any(SHARD_PATTERN.match(n) for n in stats)
     for entry in entries:
         name = entry.path.rpartition("/")[2]
@@ -113,38 +161,23 @@ def prefetch(batch: Batch, entries: Iterable[Entry]) -> None:
         found[entry.path] = Fetched(size, mtime, etag)
         if sharded and (SHARD_PATTERN.match(name) or name.startswith(INDEX_NAME)):
             found[entry.path] = Fetched(size, mtime, etag, (), SHARDED)
-        elif entry.error is None and needs_bytes(entry):
-            jobs.extend((entry.path, at, n) for at, n in wanted(size))
-    if jobs:
-        def one(job: tuple[str, int, int]) -> tuple[str, int, bytes | str]:
-            url, at, n = job
-            try:
-                return url, at, get_range(url, found[url].etag, at, n)
-            except RemoteError as exc:
-                return url, at, str(exc)
-
-        with ThreadPoolExecutor(min(clients.THREADS, len(jobs))) as pool:
-            results = list(pool.map(one, jobs))
-        windows: dict[str, list[Window]] = {}
-        for url, at, data in results:
-            if isinstance(data, str):
-                found[url] = found[url]._replace(error=data)
-            else:
-                windows.setdefault(url, []).append((at, data))
-        for url, got in windows.items():
-            if found[url].error is None:
-                found[url] = found[url]._replace(windows=tuple(got))
-    _local.fetched = found
+        elif entry.error is None and needs_bytes(entry) and size > 0:
+            order.append(entry.path)
+    _local.batch = _Ahead(found, order)
 
 
 def forget() -> None:
-    _local.fetched = {}
+    batch = getattr(_local, "batch", None)
+    if batch is not None:
+        batch.close()
+    _local.batch = None
 
 
 def read_entry(entry: Entry, deep: bool) -> FileMeta:
     """The FileMeta of one object, from what prefetch() fetched (and more ranges on request)."""
-    fetched = getattr(_local, "fetched", {}).get(entry.path)
-    if fetched is None:  # not prefetched (a caller outside a batch): fetch it now
+    batch = getattr(_local, "batch", None)
+    fetched = batch.take(entry.path) if batch is not None else None
+    if fetched is None:  # not in the batch being read (a caller outside one): fetch it now
         fetched = _fetch_one(entry)
     if fetched.error:
         return FileMeta(entry.path, fetched.size, UNREADABLE, errors=(fetched.error,),
