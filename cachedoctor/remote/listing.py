@@ -47,12 +47,12 @@ def batches(url: str, *, dataset: str | None = None, area: str = "cache", size: 
     per directory; `prune`: URLs of other roots, whose objects are left to their own walk."""
     bucket, prefix = split(url)
     root = join(bucket, prefix)
+    pending: dict[str, tuple[list[str], dict[str, ObjectStat]]] = {}
     try:
         s3 = clients.client(bucket)
         pages = s3.get_paginator("list_objects_v2").paginate(
             Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
             **({} if recursive else {"Delimiter": "/"}), PaginationConfig={"PageSize": 1000})
-        pending: dict[str, tuple[list[str], dict[str, ObjectStat]]] = {}
         skip = tuple(os.path.join(p, "") for p in prune if p != root and p.startswith(root + "/"))
         listed = 0
         for page in pages:
@@ -74,14 +74,15 @@ def batches(url: str, *, dataset: str | None = None, area: str = "cache", size: 
                 if len(names) >= size:
                     del pending[directory]
                     yield _batch(directory, root, names, stats, dataset, area)
-        for directory, (names, stats) in pending.items():
-            yield _batch(directory, root, names, stats, dataset, area)
         if listed == 0 and prefix:
             yield from _single(s3, bucket, prefix, dataset, area, shard)
     except clients.MissingClient:
         raise
-    except Exception as exc:
-        yield Batch(root, (), dataset, None, area, ((root, clients.describe(exc)),))
+    except Exception as exc:  # the listing failed part-way: what it listed is still checked
+        if shard is None or shard[0] == 0:  # sharded: rank 0 reports it, once
+            yield Batch(root, (), dataset, None, area, ((root, clients.describe(exc)),))
+    for directory, (names, stats) in pending.items():
+        yield _batch(directory, root, names, stats, dataset, area)
 
 
 def _single(s3, bucket: str, key: str, dataset: str | None, area: str,
