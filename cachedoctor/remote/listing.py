@@ -69,7 +69,7 @@ def batches(url: str, *, dataset: str | None = None, area: str = "cache", size: 
                     continue
                 names, stats = pending.setdefault(directory, ([], {}))
                 names.append(name)
-                stats[name] = (int(item.get("Size", 0)), _time(item.get("LastModified")),
+                stats[name] = (int(item.get("Size", 0)), posix_time(item.get("LastModified")),
                                str(item.get("ETag", "")))
                 if len(names) >= size:
                     del pending[directory]
@@ -96,7 +96,7 @@ def _single(s3, bucket: str, key: str, dataset: str | None, area: str,
         yield Batch(directory, (), dataset, None, area, ((url, clients.describe(exc)),))
         return
     if shard is None or shard[0] == 0:
-        stats = {name: (int(head.get("ContentLength", 0)), _time(head.get("LastModified")),
+        stats = {name: (int(head.get("ContentLength", 0)), posix_time(head.get("LastModified")),
                         str(head.get("ETag", "")))}
         yield Batch(directory, (name,), dataset, None, area, (), stats)
 
@@ -115,7 +115,7 @@ def _mine(shard: tuple[int, int], directory: str, root: str) -> Callable[[str], 
     return lambda name: zlib.crc32(os.fsencode(name), start) % world == rank
 
 
-def _time(value) -> float:
+def posix_time(value) -> float:
     try:
         return float(value.timestamp())
     except (AttributeError, TypeError, ValueError, OverflowError):

@@ -28,6 +28,7 @@ from cachedoctor.inventory import IMAGE as IMAGE_ROLE
 from cachedoctor.inventory import LATENT, TEXT, Batch, Entry
 from cachedoctor.remote import client as clients
 from cachedoctor.remote import split
+from cachedoctor.remote.listing import posix_time
 
 WHOLE_OBJECT = 256 * 1024  # one request either way; below this, the bytes cost less than a second request
 WINDOW = 64 * 1024  # head and tail of a bigger object
@@ -204,9 +205,7 @@ def _fetch_one(entry: Entry) -> Fetched:
         raise
     except Exception as exc:
         return Fetched(0, 0.0, "", (), clients.describe(exc))
-    from cachedoctor.remote.listing import _time
-
-    fetched = Fetched(int(head.get("ContentLength", 0)), _time(head.get("LastModified")),
+    fetched = Fetched(int(head.get("ContentLength", 0)), posix_time(head.get("LastModified")),
                       str(head.get("ETag", "")))
     if not needs_bytes(entry):
         return fetched
