@@ -128,7 +128,10 @@ class _Ahead:
             while self.submitted < min(len(self.order), at + AHEAD):
                 ahead = self.order[self.submitted]
                 if ahead in self.found:  # (not taken already, out of order)
-                    self.futures[ahead] = _pool().submit(_windows, ahead, self.found[ahead])
+                    try:
+                        self.futures[ahead] = _pool().submit(_windows, ahead, self.found[ahead])
+                    except RuntimeError:  # no thread to be had: this object is fetched in line
+                        break
                 self.submitted += 1
         fetched = self.found.pop(url, None)  # read once: its bytes go with its FileMeta
         if fetched is None or at is None:
