@@ -88,9 +88,16 @@ def scan(
     changed_since: Annotated[str | None, typer.Option(
         metavar="RUN|TIME", help="File findings only for files changed since a scan or fix run id, "
                                  "an ISO time or epoch seconds; dataset rules still see every file.")] = None,
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="S3-compatible endpoint for s3:// targets and aws backends.")] = None,
 ) -> None:
     """Check caches and trainer configs; exit 1 when findings reach --fail-on."""
     from cachedoctor.reporters import reporter
+
+    if endpoint_url:
+        from cachedoctor.remote.client import set_endpoint_url
+
+        set_endpoint_url(endpoint_url)
 
     _check_jobs(jobs)
     from cachedoctor import baseline as baselines
@@ -347,6 +354,8 @@ def fix(
     index: Annotated[bool, typer.Option(
         "--index/--no-index", help="Reuse the scan's verdicts of unchanged files from the cache's index.")] = True,
     rebuild_index: Annotated[bool, typer.Option("--rebuild-index", help="Start the index afresh.")] = False,
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="S3-compatible endpoint for s3:// targets and aws backends.")] = None,
 ) -> None:
     """Scan, show the repair plan, then apply it: journaled, undoable, nothing deleted.
 
@@ -359,6 +368,10 @@ def fix(
     from cachedoctor.repair.caches import cache_roots
     from cachedoctor.repair.plan import Reencode
 
+    if endpoint_url:
+        from cachedoctor.remote.client import set_endpoint_url
+
+        set_endpoint_url(endpoint_url)
     try:
         layouts = resolve(targets) if targets else []
         roots = cache_roots(layouts) if targets else None
@@ -400,12 +413,73 @@ def fix(
     if not dry_run and not yes and not sys.stdin.isatty():
         raise fail("not changing files without --yes when stdin is not a terminal "
                    "(--dry-run shows the plan)")
+    from cachedoctor.repair.remote import remote_roots
+
+    try:
+        on_s3 = remote_roots(roots)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if on_s3:  # S3 caches: quarantine by copy, verify, delete (repair/remote.py)
+        if reencode:
+            raise fail("--reencode is not available for s3:// caches in this version")
+        raise typer.Exit(_fix_remote(targets, layouts, roots, options, dry_run, yes, verbose,
+                                     include_info))
     reencoding = Reencode.of(chosen, layouts) if chosen is not None else None
     raise typer.Exit(_fix(targets, layouts, roots, options, reencoding, dry_run, yes, wait, verbose,
                           include_info))
 
 
 CANCELLED = "cancelled: nothing changed"
+
+
+def _fix_remote(targets: list[str], layouts: list[Layout], roots: tuple[str, ...],
+                options: ScanOptions, dry_run: bool, yes: bool, verbose: bool,
+                include_info: bool) -> int:
+    """fix for s3:// caches: quarantine by copy, verify, delete (repair/remote.py)."""
+    import dataclasses
+    import shlex
+
+    from cachedoctor.engine import scan as run_scan
+    from cachedoctor.layouts import TargetError
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.remote import apply, build_remote_plan, render_plan, render_run
+
+    try:
+        report = run_scan(targets, dataclasses.replace(options, index=False), layouts=layouts)
+        plan = build_remote_plan(report, roots, include_info=include_info)
+    except TargetError as exc:
+        raise fail(str(exc)) from None
+    render_plan(plan, sys.stdout, verbose=verbose)
+    if not plan.actions:
+        typer.echo("Nothing to fix.")
+        return 0
+    if dry_run:
+        typer.echo("Dry run: nothing changed.")
+        return 0
+    if not yes and not confirm("Apply this plan?"):
+        typer.echo(CANCELLED)
+        return EXIT_INTERRUPTED
+    try:
+        result = apply(plan, command=shlex.join(sys.argv),
+                       warn=lambda line: typer.echo(f"cachedoctor: warning: {line}", err=True))
+    except JournalError as exc:
+        raise fail(str(exc)) from None
+    render_run(result, sys.stdout)
+    return EXIT_FINDINGS if result.count("failed") else 0
+
+
+def _undo_remote(run_id: str | None, cache: list[str]) -> int:
+    from cachedoctor.repair.journal import JournalError
+    from cachedoctor.repair.remote import RemoteFixError, render_run, undo
+
+    if len(cache) != 1:
+        raise fail("undo takes one s3:// --cache at a time")
+    try:
+        result = undo(run_id, cache[0], warn=lambda line: typer.echo(f"cachedoctor: warning: {line}", err=True))
+    except (RemoteFixError, JournalError) as exc:
+        raise fail(str(exc)) from None
+    render_run(result, sys.stdout, undoing=True)
+    return EXIT_FINDINGS if result.count("conflict") else 0
 
 
 def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], options: ScanOptions,
@@ -563,6 +637,8 @@ def undo(
         metavar="DIR", help="The cache dir(s) whose journal to use (default: every cache you ran fix on).")] = None,
     wait: Annotated[float, typer.Option(metavar="SECONDS", help="Wait this many seconds for a fix or undo running "
                                              "on the same cache.")] = 0.0,
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help="S3-compatible endpoint for an s3:// --cache.")] = None,
 ) -> None:
     """Put back every file a fix run changed, byte for byte.
 
@@ -575,6 +651,12 @@ def undo(
     from cachedoctor.repair.undo import NothingToUndo, undo_run
     from cachedoctor.units import age
 
+    if cache and any(c.startswith("s3://") for c in cache):  # an S3 cache (repair/remote.py)
+        if endpoint_url:
+            from cachedoctor.remote.client import set_endpoint_url
+
+            set_endpoint_url(endpoint_url)
+        raise typer.Exit(_undo_remote(run_id, cache))
     for directory in cache or ():
         if not os.path.isdir(directory):
             raise fail(f"--cache {directory}: not a directory")

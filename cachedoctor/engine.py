@@ -35,6 +35,7 @@ from cachedoctor.inventory import LATENT, TEXT, Batch, Entry, batches
 from cachedoctor.layouts import Dataset, Layout, resolve
 from cachedoctor.layouts.base import ANY_DEVICE, FOLDERS
 from cachedoctor.options import ScanOptions
+from cachedoctor.remote import is_remote
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import (
     CACHE_SIDE,
@@ -76,6 +77,10 @@ def read_entry(entry: Entry, deep: bool, templates: Templates | None = None) -> 
     is in the FileMeta."""
     if entry.error:
         return FileMeta(entry.path, 0, UNREADABLE, errors=(entry.error,))
+    if is_remote(entry.path):  # an S3 object: its windows came with its batch (prefetch)
+        from cachedoctor.remote import reader
+
+        return reader.read_entry(entry, deep)
     # Images are never cache files, and in an image dir only cache files are worth reading
     # (captions, bucket JSONs and the like are the trainer's): their stat is all we need.
     if entry.role == IMAGE_ROLE or (entry.area == "images" and entry.role not in (LATENT, TEXT)):
@@ -131,7 +136,12 @@ def check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     # builds are still freed, one batch at a time.
     collecting = gc.isenabled()
     gc.disable()
+    remote = is_remote(batch.directory)
     try:
+        if remote:  # every object's bytes fetched at once, many requests in flight
+            from cachedoctor.remote import reader
+
+            reader.prefetch(batch, batch.entries(options.exclude))
         return _check_batch(batch, state)
     except Exception as exc:  # outside any one file (the batch's naming): every file is unjudged
         entries = list(batch.entries(options.exclude))
@@ -139,6 +149,8 @@ def check_batch(batch: Batch, state: ScanState) -> ChunkResult:
                                                           e.dataset) for e in entries],
                            [], [e.path for e in entries] if options.keep_paths else [], [])
     finally:
+        if remote:
+            reader.forget()
         if collecting:
             gc.enable()
 
@@ -330,9 +342,10 @@ def walk_roots(layouts: Iterable[Layout]) -> list[Root]:
             named += [(d, "images", d not in dataset.shallow_image_dirs)
                       for d in dataset.image_dirs]
             for path, area, recursive in named:
-                if layout.trainer != "bare" and not os.path.exists(path):
+                remote = is_remote(path)  # a bucket prefix: listed, never stat'ed
+                if layout.trainer != "bare" and not remote and not os.path.exists(path):
                     continue
-                real = os.path.realpath(path)
+                real = path if remote else os.path.realpath(path)
                 key: str | tuple[str, str] = real
                 found = roots.get(real)
                 if (found is not None and area == found.area == "images"
@@ -359,13 +372,22 @@ def plan(layouts: Iterable[Layout], options: ScanOptions) -> Iterator[Batch]:
     roots = walk_roots(layouts)
     keys = {}
     for root in roots:
+        if is_remote(root.path):
+            continue
         try:
             st = os.stat(root.path)
         except OSError:
             continue
         keys[root.path] = (st.st_dev, st.st_ino)
     everything = frozenset(keys.values())
+    remote = tuple(r.path for r in roots if is_remote(r.path))
     for root in roots:
+        if is_remote(root.path):
+            from cachedoctor.remote import listing
+
+            yield from listing.batches(root.path, dataset=root.dataset, area=root.area, size=BATCH,
+                                       shard=options.shard, recursive=root.recursive, prune=remote)
+            continue
         prune = everything - {keys.get(root.path)}
         yield from batches(root.path, dataset=root.dataset, area=root.area, size=BATCH,
                            shard=options.shard, recursive=root.recursive, prune=prune)

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 from cachedoctor.formats import describe_os_error
@@ -106,6 +106,8 @@ class Batch(NamedTuple):
     bucket: str | None = None
     area: str = "cache"
     errors: tuple[tuple[str, str], ...] = ()  # (path, why) for what could not be listed
+    # name -> (size, mtime, ETag) where the listing gives them in place of a stat (S3 objects)
+    stats: Mapping[str, tuple[int, float, str]] | None = None
 
     def entries(self, exclude: tuple[str, ...] = ()) -> Iterator[Entry]:
         for path, why in self.errors:

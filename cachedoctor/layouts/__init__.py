@@ -26,12 +26,14 @@ from cachedoctor.layouts import (
     kohya,
     musubi,
     onetrainer,
+    s3,
     simpletuner,
     sources,
 )
 from cachedoctor.layouts.api import TrainerLayout
 from cachedoctor.layouts.base import ConfigProblem, Dataset, Layout, Origin, TargetError
 from cachedoctor.layouts.common import one_listing_each, unique
+from cachedoctor.remote import is_remote
 
 __all__ = ["LAYOUTS", "ConfigProblem", "Dataset", "Layout", "Origin", "TargetError",
            "TrainerLayout", "resolve"]
@@ -53,6 +55,9 @@ def resolve(targets: Iterable[str]) -> list[Layout]:
     layouts: list[Layout] = []
     with one_listing_each():
         for target in targets:
+            if is_remote(target):  # an S3 prefix or object: listed from the bucket
+                layouts.append(s3.layout(target))
+                continue
             try:
                 os.lstat(target)
             except OSError as exc:  # gone, or behind a folder we may not enter

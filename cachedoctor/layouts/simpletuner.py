@@ -59,6 +59,8 @@ from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, N
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
+from cachedoctor.remote import is_remote, join
+from cachedoctor.remote.client import Endpoint, configure, read_object
 
 NAME = "simpletuner"
 TITLE = "SimpleTuner"
@@ -315,6 +317,7 @@ class _Entry:
     values: dict[str, Any]  # placeholders filled
     unset: dict[str, str] = field(default_factory=dict)  # key -> the {env:VAR} left unset
     default_text: bool = False
+    bucket: str | None = None  # an `aws` backend's bucket: its paths are keys there
 
 
 def _entries(backend: ConfigFile, g: _Globals, problems: Problems) -> list[_Entry]:
@@ -337,16 +340,47 @@ def _entries(backend: ConfigFile, g: _Globals, problems: Problems) -> list[_Entr
                              "SimpleTuner needs unique ids", ident, key="id")
         raw_ids.append(ident)
         kind = typed(backend, problems, (index,), raw, "dataset_type", str, "image", ident)
-        if raw.get("type", "local") != "local":
-            continue  # aws, csv, huggingface, webshart, memory: nothing on this disk
+        if raw.get("type", "local") not in ("local", "aws"):
+            continue  # csv, huggingface, webshart, memory: nothing on this disk or in S3
         unset: dict[str, str] = {}
         values = {key: _fill(value, key, ident, g, unset) for key, value in raw.items()}
         for key, var in unset.items():
             problems.invalid(backend.origin(index, key), f"{{env:{var}}} in {key} is not set: "
                              "SimpleTuner puts an empty string in its place", ident, key=key,
                              variable=var)
-        entries.append(_Entry(index, ident, kind, values, unset))
+        bucket = None
+        if raw.get("type") == "aws":
+            bucket = _aws_bucket(backend, index, ident, values, problems)
+            if bucket is None:
+                continue
+        entries.append(_Entry(index, ident, kind, values, unset, bucket=bucket))
     return entries
+
+
+def _aws_bucket(backend: ConfigFile, index: int, ident: str, values: dict[str, Any],
+                problems: Problems) -> str | None:
+    """The bucket of an `aws` backend (data_backend/aws.py: `aws_bucket_name`; its endpoint,
+    region and keys configure the client that reads it, and are never shown)."""
+    bucket = values.get("aws_bucket_name")
+    if not isinstance(bucket, str) or not bucket.strip() or "/" in bucket.strip():
+        problems.invalid(backend.origin(index, "aws_bucket_name"), f"aws dataset '{ident}' has "
+                         f"aws_bucket_name {bucket!r}: expected the name of its S3 bucket", ident,
+                         key="aws_bucket_name")
+        return None
+    bucket = bucket.strip()
+
+    def text(key: str) -> str | None:
+        value = values.get(key)
+        return value if isinstance(value, str) and value else None
+
+    configure(bucket, Endpoint(text("aws_endpoint_url"), text("aws_region_name"),
+                               text("aws_access_key_id"), text("aws_secret_access_key")))
+    return bucket
+
+
+def _key(value: str) -> str:
+    """A path of an aws backend as the object key it names (aws.py strips a leading slash)."""
+    return os.path.normpath(value).lstrip("/") if value.strip("/ .") else ""
 
 
 def _fill(value: Any, key: str, ident: str, g: _Globals, unset: dict[str, str]) -> Any:
@@ -370,6 +404,9 @@ def _fill(value: Any, key: str, ident: str, g: _Globals, unset: dict[str, str]) 
 
 
 def _text_dir(entry: _Entry, g: _Globals) -> str:
+    if entry.bucket is not None:  # keys `<aws_data_prefix or cache_dir>/<md5>-<family>.pt`
+        prefix = entry.values.get("aws_data_prefix") or entry.values.get("cache_dir") or ""
+        return join(entry.bucket, _key(str(prefix)))
     directory = entry.values.get("cache_dir")
     if not isinstance(directory, str) or not directory:
         directory = g.args.get("cache_dir_text") or "cache"
@@ -391,6 +428,9 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
                    problems: Problems) -> Dataset | None:
     i, values, ident = entry.index, entry.values, entry.id
     key = "instance_data_dir" if "instance_data_dir" in values else "instance_data_root"
+    if entry.bucket is not None:  # SimpleTuner's instance_data_dir is the aws_data_prefix
+        key = "aws_data_prefix"
+        values = {**values, key: join(entry.bucket, _key(str(values.get(key) or "")))}
     raw_dir = values.get(key)
     if key in entry.unset:
         return None  # reported as CD409; the path SimpleTuner would use is meaningless
@@ -402,8 +442,8 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
                          "folder (SimpleTuner refuses to start)", ident, key="instance_data_dir")
         return None
     configured = raw_dir.strip().rstrip("/")
-    image_dir = resolve(g.root, configured)
-    if not os.path.isdir(image_dir):
+    image_dir = configured if entry.bucket else resolve(g.root, configured)
+    if not entry.bucket and not os.path.isdir(image_dir):
         problems.missing(backend.origin(i, key), key, raw_dir, image_dir, _reason(g.root), ident)
     vae = values.get("cache_dir_vae")
     vae_origin = backend.origin(i, "cache_dir_vae")
@@ -417,7 +457,9 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         vae = g.args.get("cache_dir_vae") or os.path.join(g.output_dir, "cache", "vae",
                                                            g.model_family, ident)
         vae_origin = Origin(backend.path, "cache_dir_vae", backend.line(i))
-    cache_dir = resolve(g.root, vae)
+    cache_dir = join(entry.bucket, _key(os.path.relpath(vae, g.root) if os.path.isabs(vae) and
+                                        _under(vae, g.root) else vae)) \
+        if entry.bucket else resolve(g.root, vae)
     ondemand = _flag(backend, problems, entry, "vae_cache_ondemand",
                      _global_flag(g, "vae_cache_ondemand", False))
     disabled = _flag(backend, problems, entry, "vae_cache_disable",
@@ -503,7 +545,8 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
         for path in paths:
             if not isinstance(path, str):
                 continue
-            absolute = resolve(image_dir, path)
+            absolute = join(image_dir.split("/")[2], path.lstrip("/")) if is_remote(image_dir) \
+                else resolve(image_dir, path)  # an aws backend lists keys in its bucket
             listed.add(absolute)
             key = vae_key(configured, absolute)
             target = None
@@ -520,12 +563,16 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
 
 def _read_json(path: str, dataset: str, problems: Problems) -> Any:
     try:
+        if is_remote(path):  # a bucket file of an aws backend, in its bucket
+            raw = read_object(path, 64 * 2**20)
+            return None if raw is None else json.loads(raw)
         with open(path, "rb") as f:
             return json.loads(f.read())
     except FileNotFoundError:
         return None
     except OSError as exc:
-        problems.invalid(Origin(path, os.path.basename(path)), f"cannot read: {exc.strerror}",
+        problems.invalid(Origin(path, os.path.basename(path)),
+                         f"cannot read: {exc.strerror or str(exc).removeprefix('cannot read: ')}",
                          dataset)
     except (ValueError, RecursionError) as exc:
         problems.invalid(Origin(path, os.path.basename(path), getattr(exc, "lineno", None)),

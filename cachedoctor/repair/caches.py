@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from cachedoctor.inventory import STATE_DIR
 from cachedoctor.layouts import Layout
+from cachedoctor.remote import is_remote
 
 JOURNAL = "journal.sqlite"
 LOCK = "lock"
@@ -48,6 +49,10 @@ def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
         for dataset in layout.datasets:
             dirs = dataset.cache_dirs or (dataset.image_dirs if dataset.caches_beside_images else ())
             for cache_dir in dirs:
+                if is_remote(cache_dir):  # an S3 prefix: the root is the prefix (repair/remote.py)
+                    if cache_dir not in roots:
+                        roots.append(cache_dir)
+                    continue
                 path = os.path.abspath(cache_dir)
                 root = path if os.path.isdir(path) else os.path.dirname(path)
                 if STATE_DIR in root.split(os.sep):

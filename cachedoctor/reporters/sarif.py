@@ -20,6 +20,7 @@ from cachedoctor import __version__
 from cachedoctor.baseline import fingerprint
 from cachedoctor.checks import RULES
 from cachedoctor.findings import Finding, Report, Severity, jsonable, printable
+from cachedoctor.remote import is_remote
 from cachedoctor.rule import Rule
 from cachedoctor.rule_docs import rule_url, what_it_does
 
@@ -46,6 +47,8 @@ def _rule(rule: Rule) -> dict[str, Any]:
 
 
 def _location(path: str, cwd: str) -> dict[str, Any]:
+    if is_remote(path):  # an S3 object: its URL is its address
+        return {"physicalLocation": {"artifactLocation": {"uri": path}, "region": {"startLine": 1}}}
     rel = os.path.relpath(path, cwd)
     if rel == os.pardir or rel.startswith(os.pardir + os.sep):  # outside %SRCROOT%
         artifact = {"uri": Path(path).as_uri()}

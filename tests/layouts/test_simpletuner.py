@@ -39,7 +39,7 @@ def test_defaults_placeholders_and_relative_paths(tmp_path: Path, monkeypatch) -
         {"id": "photos", "type": "local", "instance_data_dir": "{env:DATA_ROOT}/photos/"},
         {"id": "art", "type": "local", "instance_data_dir": "data/photos",
          "cache_dir_vae": "{output_dir}/vae/{model_family}/{id}"},
-        {"id": "remote", "type": "aws", "aws_data_prefix": "x"},
+        {"id": "remote", "type": "csv", "csv_file": "x.csv"},
         {"id": "off", "type": "local", "instance_data_dir": "gone", "disabled": True},
     ], MAIN, env="export TRAINING_NUM_PROCESSES=4\n")
     (layout,) = resolve([str(config)])
