@@ -7,6 +7,7 @@ the batch's storage), transposed and strided views, tensors sharing a storage, p
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Iterator
 
@@ -15,7 +16,19 @@ import torch
 # dtypes with a legacy typed storage (both formats) and the newer ones (zip format only)
 TYPED_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64,
                 torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64]
-NEW_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16]
+
+
+def _saveable(dtype: torch.dtype) -> bool:
+    """Whether this torch can save the dtype at all (2.4 has uint16 but cannot save it: "dtype
+    torch.uint16 is not recognized"); files of a dtype it cannot write come from newer torch."""
+    try:
+        torch.save(torch.zeros(1).to(dtype), io.BytesIO())
+    except (KeyError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+NEW_DTYPES = [d for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16) if _saveable(d)]
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64}
 
