@@ -139,6 +139,7 @@ def test_device_location_as_stored(cuda_tagged):
     assert meta.locations == ("cuda:0",) and meta.errors == ()
 
 
+@pytest.mark.skipif(not samples.saveable(torch.float8_e4m3fn), reason="this torch cannot save float8")
 def test_legacy_saved_new_dtype_zip_is_fine_but_protocols_vary():
     for protocol in (2, 3, 4, 5):
         data = saved({"a": torch.ones(2).to(torch.float8_e4m3fn)}, pickle_protocol=protocol)
@@ -310,7 +311,8 @@ def test_numpy_inside_is_unsafe_like_torch_says():
     import numpy as np
 
     data = saved({"a": np.ones(3)})
-    assert "Unsupported global" in str(torch_verdict(data))
+    verdict = torch_verdict(data)  # "Unsupported global: GLOBAL numpy...", or (2.1) "Unsupported class numpy..."
+    assert verdict is not None and "Unsupported" in str(verdict) and "numpy" in str(verdict)
     assert any(g.startswith("numpy") for g in read_bytes(data, "x.pt").unsafe_globals)
 
 

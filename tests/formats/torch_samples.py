@@ -18,9 +18,9 @@ TYPED_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, tor
                 torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64]
 
 
-def _saveable(dtype: torch.dtype) -> bool:
-    """Whether this torch can save the dtype at all (2.4 has uint16 but cannot save it: "dtype
-    torch.uint16 is not recognized"); files of a dtype it cannot write come from newer torch."""
+def saveable(dtype: torch.dtype) -> bool:
+    """Whether this torch can save the dtype at all (2.4 has uint16 and 2.1 float8, but neither
+    saves them: "dtype ... is not recognized"); files of such dtypes come from newer torch."""
     try:
         torch.save(torch.zeros(1).to(dtype), io.BytesIO())
     except (KeyError, RuntimeError, TypeError):
@@ -28,7 +28,9 @@ def _saveable(dtype: torch.dtype) -> bool:
     return True
 
 
-NEW_DTYPES = [d for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16) if _saveable(d)]
+# torch 2.1 has no uint16 at all
+NEW_DTYPES = [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "uint16")
+              if hasattr(torch, name) and saveable(getattr(torch, name))]
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64}
 
