@@ -36,8 +36,10 @@ def main(argv: list[str]) -> NoReturn:
             # Repeatable convolutions, so that a loss compared across two runs can be equal.
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
+        # device_id only for nccl: torch 2.1 has no such argument, and gloo needs none
+        bound = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=spec["init_method"], rank=rank, world_size=world,
-                                timeout=GROUP_TIMEOUT, device_id=device if backend == "nccl" else None)
+                                timeout=GROUP_TIMEOUT, **bound)
         ctx = RankContext(rank, world, spec["mode"], device, backend,
                           Project.load(Path(spec["project"])), result_path, notes)
         ctx.note(backend=backend, device=str(device))

@@ -139,9 +139,10 @@ def test_device_location_as_stored(cuda_tagged):
     assert meta.locations == ("cuda:0",) and meta.errors == ()
 
 
+@pytest.mark.skipif(not samples.saveable(torch.float8_e4m3fn), reason="this torch cannot save float8")
 def test_legacy_saved_new_dtype_zip_is_fine_but_protocols_vary():
     for protocol in (2, 3, 4, 5):
-        data = saved({"a": torch.ones(2, dtype=torch.float8_e4m3fn)}, pickle_protocol=protocol)
+        data = saved({"a": torch.ones(2).to(torch.float8_e4m3fn)}, pickle_protocol=protocol)
         meta = read_bytes(data, "x.pt")
         assert meta.errors == () and meta.tensors[0].dtype == "float8_e4m3fn", protocol
 
@@ -219,6 +220,8 @@ def test_flipped_bit_in_data_pkl():
     assert [e.split("'")[1] for e in deep.crc_errors] == ["archive/data.pkl"]
 
 
+@pytest.mark.skipif(not hasattr(torch.serialization, "set_crc32_options"),
+                    reason="this torch always records CRC32s (set_crc32_options is newer)")
 def test_crc_not_recorded():
     torch.serialization.set_crc32_options(False)
     try:
@@ -266,7 +269,15 @@ def test_no_storage_record():
 def test_storage_record_of_the_wrong_size():
     data = rezip(saved(torch.ones(4)),
                  lambda n, b: (n, b[:8]) if n.endswith("data/0") else (n, b))
-    assert "record size (8 bytes) does not match expected size (16 bytes" in _errors(data)[0]
+    errors = read_bytes(data, "x.pt").errors
+    assert "record size (8 bytes) does not match expected size (16 bytes" in errors[0]
+    # Newer torch refuses the record; torch 2.4 reads 16 bytes from where it starts, past its end
+    # into the archive's next bytes, and returns a tensor that is not the one saved.
+    try:
+        loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception:
+        return
+    assert not torch.equal(loaded, torch.ones(4))
 
 
 def test_tensor_past_its_storage():
@@ -300,7 +311,8 @@ def test_numpy_inside_is_unsafe_like_torch_says():
     import numpy as np
 
     data = saved({"a": np.ones(3)})
-    assert "Unsupported global" in str(torch_verdict(data))
+    verdict = torch_verdict(data)  # "Unsupported global: GLOBAL numpy...", or (2.1) "Unsupported class numpy..."
+    assert verdict is not None and "Unsupported" in str(verdict) and "numpy" in str(verdict)
     assert any(g.startswith("numpy") for g in read_bytes(data, "x.pt").unsafe_globals)
 
 

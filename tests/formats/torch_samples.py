@@ -7,6 +7,7 @@ the batch's storage), transposed and strided views, tensors sharing a storage, p
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Iterator
 
@@ -15,7 +16,21 @@ import torch
 # dtypes with a legacy typed storage (both formats) and the newer ones (zip format only)
 TYPED_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64,
                 torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64]
-NEW_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16]
+
+
+def saveable(dtype: torch.dtype) -> bool:
+    """Whether this torch can save the dtype at all (2.4 has uint16 and 2.1 float8, but neither
+    saves them: "dtype ... is not recognized"); files of such dtypes come from newer torch."""
+    try:
+        torch.save(torch.zeros(1).to(dtype), io.BytesIO())
+    except (KeyError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+# torch 2.1 has no uint16 at all
+NEW_DTYPES = [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "uint16")
+              if hasattr(torch, name) and saveable(getattr(torch, name))]
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64}
 

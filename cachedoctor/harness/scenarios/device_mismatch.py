@@ -21,6 +21,7 @@ reads to the model's device, runs.
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,7 @@ def run_rank(ctx: RankContext) -> None:
     try:
         load_entry(paths[0])
         ctx.note(before_repair="loads")
-    except RuntimeError as exc:
+    except (RuntimeError, pickle.UnpicklingError) as exc:  # torch 2.4 wraps the error in the latter
         ctx.note(before_repair=describe(exc))
     before = tensor_digests(paths)
     done = []
