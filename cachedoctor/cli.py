@@ -329,7 +329,8 @@ def fix(
     targets: Annotated[list[str] | None, typer.Argument(
         metavar="TARGET...",
         help="What to repair, as for scan: cache dirs, cache files, trainer configs or project folders "
-             "(--reencode needs a config or project: it names the images).")] = None,
+             "(--reencode needs to know the images: a config, a project, or a bare folder whose "
+             "layout names them, such as an ai-toolkit image folder).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking (needed in a pipe).")] = False,
     select: Annotated[list[str] | None, typer.Option(
