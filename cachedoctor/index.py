@@ -365,6 +365,20 @@ def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
     return db
 
 
+def _patient_connect(path: str, in_cache: bool) -> sqlite3.Connection:
+    """_connect, retried while another scan holds the lock for up to BUSY_MS: the switch to WAL
+    and the first CREATE TABLE of two scans starting at once can report "locked" at once,
+    without SQLite's busy handler ever waiting."""
+    deadline = time.monotonic() + BUSY_MS / 1000
+    while True:
+        try:
+            return _connect(path, in_cache)
+        except sqlite3.Error as exc:
+            if not _locked(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 def _locked(exc: sqlite3.Error) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
 
@@ -384,7 +398,7 @@ def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Conne
             if rebuild:
                 _refuse_links(path, n == 0)
                 _remove(path)
-            return _connect(path, n == 0), path
+            return _patient_connect(path, n == 0), path
         except sqlite3.Error as exc:
             if _locked(exc):
                 notices.append(f"index {path} is locked by another process ({exc}): "

@@ -1,10 +1,10 @@
 """Sharded preflight as a reduce: each rank sums up its share of the files, the sums merge.
 
-Every rank reads its share of the files (inventory's shard split) and makes, per dataset, a
-DatasetAggregate of what the dataset rules judge: how many files share each Group of facts
-(shape, dtype, device, bucket, ...), the first and last folder of each Group (their common
-folder is every file's), per folder the Groups of files whose naming tells a family (CD309),
-a coverage sketch (below) and a bitset of the trainer's listed images the rank found. merge()
+Every rank reads its share of the files (inventory's shard split). Per dataset, it makes a
+DatasetAggregate of what the dataset rules judge. That is how many files share each Group of
+facts (shape, dtype, device, bucket, ...) and the first and last folder of each Group (their
+common folder is every file's). It is also, per folder, the Groups of files whose naming tells
+a family (CD309), a coverage sketch (below) and a bitset of the listed images it found. merge()
 is associative and commutative, so any rank order gives the same sums. Two rounds of a
 size-bounded all-gather (Exchange) make every rank hold the same data:
 

@@ -1,9 +1,9 @@
 """## What it does
 `cachedoctor verify --text-encoder SPEC` only. Reports a dataset whose sampled text embeddings
 are, for most files, as far from a fresh embedding of their captions as the embeddings of
-unrelated captions are, or have no tensor of the size the text encoder gives: the cache was
-written by another text encoder (another model, version or precision of it, another hidden
-layer) than the one given with `--text-encoder`.
+unrelated captions are, or have no tensor of the size the text encoder gives. The cache was
+then written by another text encoder (another model, version or precision of it, another
+hidden layer) than the one given with `--text-encoder`.
 
 ## Why is this bad?
 Embeddings of the same shape from another text encoder load without complaint (two CLIP-L

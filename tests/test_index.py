@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cachedoctor import engine, index
+from cachedoctor.api import resolve_policy
 from cachedoctor.config import ConfigError
 from cachedoctor.fixtures.demo import write_demo
 from cachedoctor.options import ScanOptions
@@ -142,8 +143,9 @@ def test_another_code_or_rule_selection_rejudges_everything(demo: Path, monkeypa
     changed = scan(demo)
     assert changed.index["reused"] == 0 and same(changed, fresh(demo))
     assert scan(demo).index["reused"] == recordable(demo)
-    narrower = scan(demo, select=("CD1",))
-    assert narrower.index["reused"] == 0 and same(narrower, fresh(demo, select=("CD1",)))
+    cd1 = resolve_policy(select="CD1", isolated=True).options.selected
+    narrower = scan(demo, selected=cd1)
+    assert narrower.index["reused"] == 0 and same(narrower, fresh(demo, selected=cd1))
     assert scan(demo, deep=True).index["reused"] == 0
 
 

@@ -1,10 +1,10 @@
 """Read S3 objects through the readers' byte Source: ranged GETs of only the bytes they need.
 
 While a batch of objects is read, a thread pool fetches the windows of the objects after the
-one being parsed (THREADS requests in flight, at most AHEAD objects ahead, so memory stays
-bounded): an object up to WHOLE_OBJECT bytes in one GET, a bigger one as its head and its tail
-(where torch keeps data.pkl and the zip central directory, and safetensors its header) in two
-ranged GETs. Any other range a reader asks for is one more ranged GET (--deep reads every
+one being parsed (THREADS requests in flight, at most AHEAD objects ahead: memory stays
+bounded). An object up to WHOLE_OBJECT bytes takes one GET. A bigger one takes two ranged GETs,
+its head and its tail (where torch keeps data.pkl and the zip central directory, and
+safetensors its header). Any other range a reader asks for is one more ranged GET (--deep reads every
 tensor's bytes that way). A gzip-compressed cache (SimpleTuner `compress_cache`) has its
 central directory inside the compressed stream: it is streamed, 1 MiB per GET, and inflated
 under the scan's 64 MiB cap. Every GET carries `If-Match: <ETag from the listing>`, so an
