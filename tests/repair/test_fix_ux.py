@@ -77,11 +77,19 @@ def test_after_a_fix_next_names_what_is_left_and_its_command(tmp_path: Path) -> 
 
 # --- cancelled and interrupted -----------------------------------------------------------
 
+def _default_sigint() -> None:
+    """Ctrl-C as a user's shell gives it. A test run started in the background by a
+    non-interactive shell ignores SIGINT, the children inherit that, and Python then never
+    installs its handler: the test would measure how pytest was started, not the CLI."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _on_a_terminal(args: list[str], answer: bytes, until: bytes = b"[y/N]") -> tuple[int, str]:
     """Run the CLI on a pty (its controlling terminal), type `answer` at the prompt; (exit
     status, everything it printed). A ^C typed there reaches it as a real SIGINT."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: stdin, stdout and stderr are the pty
+        _default_sigint()
         os.execv(sys.executable, [sys.executable, "-m", "cachedoctor", *args])
     out, answered, deadline = b"", False, time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -155,7 +163,7 @@ def test_an_interrupted_fix_says_what_it_did_and_how_to_finish_or_undo(cache: Pa
     before = tree_digest(cache)
 
     result = subprocess.run([sys.executable, "-c", HOOK, "5", sig, "fix", str(cache), "--yes"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, preexec_fn=_default_sigint)
 
     assert result.returncode == 130, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
