@@ -264,3 +264,51 @@ def test_a_listing_whose_tokens_go_round_in_a_circle_ends(s3: Bucket, tmp_path: 
     assert len(pages) <= 4, pages
     assert any("repeats a page" in f.message for f in report.findings), \
         [(f.code, f.message) for f in report.findings]
+
+
+def test_a_server_that_ignores_ranges_is_said_not_misjudged(s3: Bucket, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that answers a ranged GET with the whole object (200, no Content-Range): the
+    tail window would be the object's first bytes, and a big object read whole into memory."""
+    clean(tmp_path / "c", n=1, shape=(16, 160, 160))  # > 256 KiB: read by head and tail ranges
+    clean(tmp_path / "c" / "small", n=1)  # one GET of the whole object either way
+    s3.upload(tmp_path / "c", "c")
+    sent = []
+
+    def no_ranges(environ, start_response, app):
+        if environ.pop("HTTP_RANGE", None):
+            environ.pop("HTTP_IF_MATCH", None)
+            sent.append(environ.get("PATH_INFO"))
+        return app(environ, start_response)
+
+    with _proxy(s3, monkeypatch, no_ranges):
+        report = scan_paths(s3.url("c"))
+    assert sent
+    wrong = [(f.code, f.path, f.message) for f in report.findings]
+    assert all("ignores ranged requests" in m for _, _, m in wrong), wrong
+    assert len(wrong) == 1 and "/small/" not in wrong[0][1], wrong
+
+
+def test_a_body_cut_short_is_said_not_judged_torn(s3: Bucket, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy that passes on the first KiB of each object's bytes and ends the body cleanly
+    (chunked, no Content-Length): a short read is the server's fault, not a torn cache file."""
+    clean(tmp_path / "c", n=2)
+    s3.upload(tmp_path / "c", "c")
+
+    def cut(environ, start_response, app):
+        if not environ.get("HTTP_RANGE"):
+            return app(environ, start_response)
+        reply = {}
+
+        def keep(status, headers, exc_info=None):
+            reply["status"], reply["headers"] = status, [h for h in headers if h[0].lower() != "content-length"]
+
+        body = b"".join(app(environ, keep))
+        start_response(reply["status"], reply["headers"])
+        return [body[:1024]]
+
+    with _proxy(s3, monkeypatch, cut):
+        report = scan_paths(s3.url("c"))
+    said = [(f.code, f.message) for f in report.findings]
+    assert said and all("promised" in m or "checksum" in m for _, m in said), said
