@@ -58,6 +58,12 @@ def batches(url: str, *, dataset: str | None = None, area: str = "cache", size: 
                 key = item["Key"]
                 if key.endswith("/") or f"/{STATE_DIR}/" in f"/{key}":
                     continue
+                if key.startswith("/"):  # s3://bucket//x.pt: URLs (and split()) name `x.pt`
+                    if shard is None or shard[0] == 0:
+                        yield Batch(root, (), dataset, None, area, ((
+                            f"s3://{bucket}/{key}", "cannot read: its key starts with '/', which "
+                            "s3:// URLs read as the key without it: not checked"),))
+                    continue
                 path = join(bucket, key)
                 if skip and path.startswith(skip):
                     continue

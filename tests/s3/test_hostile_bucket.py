@@ -312,3 +312,20 @@ def test_a_body_cut_short_is_said_not_judged_torn(s3: Bucket, tmp_path: Path,
         report = scan_paths(s3.url("c"))
     said = [(f.code, f.message) for f in report.findings]
     assert said and all("promised" in m or "checksum" in m for _, m in said), said
+
+
+def test_a_key_with_a_leading_slash_is_said_not_judged_as_its_twin(s3: Bucket, tmp_path: Path) -> None:
+    """`/x.pt` and `x.pt` are two objects, but s3://bucket//x.pt reads as the second: a hostile
+    `/x.pt` beside a clean `x.pt` was never judged itself."""
+    clean(tmp_path / "c", n=1)
+    [good] = [p for p in (tmp_path / "c").rglob("*.pt")]
+    marker = tmp_path / "PAYLOAD_RAN"
+    [bad] = BUILDERS["CD105"](tmp_path / "bad", marker=marker)
+    s3.client.put_object(Bucket=s3.name, Key="x.pt", Body=good.read_bytes())
+    s3.client.put_object(Bucket=s3.name, Key="/x.pt", Body=Path(bad).read_bytes())
+
+    report = scan_paths(s3.url())
+
+    said = [(f.code, f.path, f.message) for f in report.findings]
+    assert any(p == f"s3://{s3.name}//x.pt" and "starts with '/'" in m for _, p, m in said), said
+    assert not marker.exists()
