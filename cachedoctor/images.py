@@ -9,8 +9,9 @@ an ImageError that names its format and the package that reads it.
 from __future__ import annotations
 
 import os
+import stat
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     import torch
@@ -27,21 +28,64 @@ class ImageError(ValueError):
     """An image that cannot be read here; str() says why, with the file's name."""
 
 
+def open_image(path: str) -> BinaryIO:
+    """The image file, open for reading: a regular file only (a FIFO would block the open, a
+    symlink to /dev/zero would never end), opened without blocking. ImageError otherwise."""
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageError(f"{name}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ImageError(f"{name}: not a regular file (a FIFO, a device or a folder)")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _pillow(path: str):
+    """Pillow's lazy image (the header read, no pixel decoded); ImageError for a file it
+    cannot read, or one whose header claims more pixels than Pillow's decompression-bomb limit
+    (a PNG of a few bytes may claim 100,000 x 100,000)."""
+    from PIL import Image
+
+    name = os.path.basename(path)
+    f = open_image(path)
+    try:
+        img = Image.open(f)
+    except Image.DecompressionBombError as exc:
+        f.close()
+        raise ImageError(f"{name}: {exc}: not decoded (a decompression bomb?)") from None
+    except OSError as exc:
+        f.close()
+        raise ImageError(f"{name}: Pillow cannot read it ({exc})") from None
+    except BaseException:
+        f.close()
+        raise
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and img.size[0] * img.size[1] > limit:
+        img.close()
+        f.close()
+        raise ImageError(f"{name}: {img.size[0]}x{img.size[1]} is more than Pillow's {limit:,} "
+                         "pixels for an image from an untrusted source: not decoded")
+    return img, f
+
+
 def size(path: str) -> tuple[int, int]:
     """(width, height) of the image at `path`, from its header."""
     try:
-        from PIL import Image
+        from PIL import Image  # noqa: F401 (whether Pillow is there)
     except ImportError:
         width, height, form = _png_header(path)
         if form != PNG_RGB8:
             raise ImageError(f"{os.path.basename(path)} is a PNG other than 8-bit RGB: "
                              f"{NEEDS_PILLOW}") from None
         return width, height
-    try:
-        with Image.open(path) as img:
-            return img.size
-    except OSError as exc:
-        raise ImageError(f"{os.path.basename(path)}: Pillow cannot read it ({exc})") from None
+    img, f = _pillow(path)
+    with f, img:
+        return img.size
 
 
 HEADER_BYTES = 65536  # a JPEG's frame header follows its EXIF block, thumbnail and all
@@ -52,9 +96,9 @@ def header_size(path: str) -> tuple[int, int] | None:
     """(width, height) as stored in the header of a PNG, JPEG, GIF, BMP or WebP (no EXIF
     rotation: what `imagesize`, which kohya uses, reads); None when it cannot tell."""
     try:
-        with open(path, "rb") as f:
+        with open_image(path) as f:
             head = f.read(HEADER_BYTES)
-    except OSError:
+    except (OSError, ImageError):
         return None
     try:
         if head.startswith(PNG_SIGNATURE) and head[12:16] == b"IHDR":
@@ -111,7 +155,7 @@ def load(path: str) -> torch.Tensor:
     import torch
 
     try:
-        from PIL import Image
+        from PIL import Image  # noqa: F401 (whether Pillow is there)
     except ImportError:
         from cachedoctor.fixtures.images import read_png
 
@@ -120,10 +164,11 @@ def load(path: str) -> torch.Tensor:
             return read_png(path)[2]
         except ValueError as exc:
             raise ImageError(f"{exc}: {NEEDS_PILLOW}") from None
+    img, f = _pillow(path)
     try:
-        with Image.open(path) as img:
+        with f, img:
             rgb = np.asarray(img.convert("RGB"))
-    except OSError as exc:
+    except OSError as exc:  # a file cut short after its header
         raise ImageError(f"{os.path.basename(path)}: Pillow cannot read it ({exc})") from None
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
 
@@ -131,7 +176,7 @@ def load(path: str) -> torch.Tensor:
 def _png_header(path: str) -> tuple[int, int, tuple[int, ...]]:
     name = os.path.basename(path)
     try:
-        with open(path, "rb") as f:
+        with open_image(path) as f:
             head = f.read(33)
     except OSError as exc:
         raise ImageError(f"{name}: cannot read it ({exc.strerror or exc})") from None

@@ -102,6 +102,14 @@ def extension_format(path: str) -> str | None:
 SNIFF_BYTES = 4096  # what sniff() looks at, at most
 
 
+def _padded_safetensors(head: bytes, size: int) -> bool:
+    """A safetensors header with JSON whitespace before its `{`, which safetensors' own parser
+    (serde_json) accepts: a length that fits the file, then whitespace, then `{`."""
+    n = int.from_bytes(head[:8], "little")
+    return 0 < n <= size - 8 and head[8:8 + min(n, 64)].lstrip(b" \t\r\n")[:1] == b"{" \
+        and head[8:9] in (b" ", b"\t", b"\r", b"\n")
+
+
 def sniff(head: bytes, size: int) -> str:
     """The format the first bytes announce (UNKNOWN when they announce none)."""
     if size == 0:
@@ -116,7 +124,7 @@ def sniff(head: bytes, size: int) -> str:
         return NPY
     if arrow_ipc.sniff(head):
         return ARROW
-    if len(head) >= 9 and head[8:9] == b"{":
+    if len(head) >= 9 and (head[8:9] == b"{" or _padded_safetensors(head, size)):
         return SAFETENSORS
     if head.startswith(IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
         return IMAGE

@@ -116,6 +116,11 @@ def describe(exc: BaseException) -> str:
             return f"cannot read: {said} ({code})"
         return f"cannot read: {code}: {message}" if message else f"cannot read: {code}"
     name = type(exc).__name__
+    if name in ("IncompleteReadError", "ResponseStreamingError"):
+        return "cannot read: the server sent fewer bytes than it promised (a connection cut short?)"
+    if name == "FlexibleChecksumError":
+        return ("cannot read: the bytes received do not match the object's checksum (cut short "
+                "or changed on the way)")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
         return ("cannot read: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the backend's aws_access_key_id)")
@@ -134,7 +139,11 @@ def read_object(url: str, limit: int) -> bytes | None:
     bucket, key = split(url)
     try:
         reply = client(bucket).get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
-        data = reply["Body"].read()
+        body = reply["Body"]
+        try:
+            data = body.read(limit + 1)  # a server that ignores the range sends it all
+        finally:
+            body.close()
     except MissingClient:
         raise
     except Exception as exc:

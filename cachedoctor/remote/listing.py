@@ -50,15 +50,19 @@ def batches(url: str, *, dataset: str | None = None, area: str = "cache", size: 
     pending: dict[str, tuple[list[str], dict[str, ObjectStat]]] = {}
     try:
         s3 = clients.client(bucket)
-        pages = s3.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
-            **({} if recursive else {"Delimiter": "/"}), PaginationConfig={"PageSize": 1000})
+        pages = _pages(s3, bucket, f"{prefix}/" if prefix else "", recursive)
         skip = tuple(os.path.join(p, "") for p in prune if p != root and p.startswith(root + "/"))
         listed = 0
         for page in pages:
             for item in page.get("Contents", ()):
                 key = item["Key"]
                 if key.endswith("/") or f"/{STATE_DIR}/" in f"/{key}":
+                    continue
+                if key.startswith("/"):  # s3://bucket//x.pt: URLs (and split()) name `x.pt`
+                    if shard is None or shard[0] == 0:
+                        yield Batch(root, (), dataset, None, area, ((
+                            f"s3://{bucket}/{key}", "cannot read: its key starts with '/', which "
+                            "s3:// URLs read as the key without it: not checked"),))
                     continue
                 path = join(bucket, key)
                 if skip and path.startswith(skip):
@@ -80,9 +84,37 @@ def batches(url: str, *, dataset: str | None = None, area: str = "cache", size: 
         raise
     except Exception as exc:  # the listing failed part-way: what it listed is still checked
         if shard is None or shard[0] == 0:  # sharded: rank 0 reports it, once
-            yield Batch(root, (), dataset, None, area, ((root, clients.describe(exc)),))
+            why = str(exc) if isinstance(exc, RepeatedPage) else clients.describe(exc)
+            yield Batch(root, (), dataset, None, area, ((root, why),))
     for directory, (names, stats) in pending.items():
         yield _batch(directory, root, names, stats, dataset, area)
+
+
+class RepeatedPage(Exception):
+    """The server sent a continuation token it sent before: its listing would never end."""
+
+    def __str__(self) -> str:
+        return ("cannot read: the listing repeats a page (a continuation token came back twice): "
+                "listed up to there")
+
+
+def _pages(s3, bucket: str, prefix: str, recursive: bool) -> Iterator[dict]:
+    """ListObjectsV2 pages. botocore's paginator stops a token repeated at once, not a circle
+    of them (A, B, A, ...): a server that hands one out again is stopped here, at its second
+    time round."""
+    seen: set[str] = set()
+    token = None
+    while True:
+        page = s3.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000,
+                                  **({} if recursive else {"Delimiter": "/"}),
+                                  **({"ContinuationToken": token} if token else {}))
+        yield page
+        token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+        if not token:
+            return
+        if token in seen:
+            raise RepeatedPage
+        seen.add(token)
 
 
 def _single(s3, bucket: str, key: str, dataset: str | None, area: str,

@@ -15,6 +15,7 @@ Images are never fetched: the listing's size and LastModified are all coverage n
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,11 +77,26 @@ def get_range(url: str, etag: str, offset: int, n: int) -> bytes:
     try:
         reply = clients.client(bucket).get_object(
             Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + n - 1}", **extra)
-        return reply["Body"].read()
+        body = reply["Body"]
+        try:
+            data = body.read(n)  # never more: a server may send the whole object instead
+            body.read(1)  # the end of a body that kept to the range: botocore checks its length and checksum
+        finally:
+            body.close()
     except clients.MissingClient:
         raise
     except Exception as exc:
         raise RemoteError(clients.describe(exc)) from None
+    if offset and not str(reply.get("ContentRange") or "").startswith(f"bytes {offset}-"):
+        # a 200 with the whole object: its first bytes are no window at `offset`
+        raise RemoteError("cannot read: the server ignores ranged requests (it sent the object "
+                          "from its start): not checked")
+    span = re.match(r"bytes (\d+)-(\d+)/", str(reply.get("ContentRange") or ""))
+    promised = min(n, int(span[2]) - int(span[1]) + 1) if span else None
+    if promised is not None and len(data) < promised:  # a body cut short, but ended cleanly
+        raise RemoteError(f"cannot read: the server sent {len(data):,} of the {promised:,} bytes "
+                          "it promised: not checked")
+    return data
 
 
 def wanted(size: int) -> tuple[tuple[int, int], ...]:

@@ -30,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from cachedoctor import reclaim
-from cachedoctor.findings import Report
+from cachedoctor.findings import Report, printable
 from cachedoctor.fix_kinds import QUARANTINE
 from cachedoctor.inventory import STATE_DIR
 from cachedoctor.remote import client as clients
@@ -60,6 +61,9 @@ from cachedoctor.repair.plan import Note
 from cachedoctor.units import human_bytes
 
 COPY_LIMIT = 5 * 2**30  # one CopyObject request copies at most 5 GiB
+KEY_LIMIT = 1024  # S3's longest key, in UTF-8 bytes
+MIRROR_LIMIT = 64 * 2**20  # a journal mirror read from the bucket (~150 bytes an action)
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # what new_run_id makes, and a margin
 NOT_ON_S3 = ("no automatic {fix} on S3 in this version (it would download, rewrite and upload "
              "the object): quarantine it by hand or rebuild it with the trainer")
 CHANGED = "changed since the plan (ETag {now}, planned {planned}): left alone"
@@ -141,6 +145,10 @@ def build_remote_plan(report: Report, roots: Iterable[str], *,
         if root is None:
             notes.append(Note(codes[0], url, "outside the caches given", skipped=True))
             continue
+        why = odd_key(url[len(root) + 1:])
+        if why is not None:
+            notes.append(Note(codes[0], url, why, skipped=True))
+            continue
         try:
             head = _head(url)
         except OSError as exc:
@@ -157,6 +165,20 @@ def build_remote_plan(report: Report, roots: Iterable[str], *,
         actions.append(RemoteAction(url, root, tuple(sorted(set(codes))), size, etag))
     actions.sort(key=lambda a: a.url)
     return RemotePlan(tuple(actions), tuple(notes), tuple(left_out))
+
+
+def odd_key(relkey: str) -> str | None:
+    """Why an object's key under its cache prefix is not acted on, or None. A `.` or `..` part
+    names one object to S3 and another to a server or proxy that resolves them (the copy or
+    delete could land outside the prefix); a part named `.cachedoctor` is our own state."""
+    parts = relkey.split("/")
+    if any(p in (".", "..") for p in parts):
+        return "its key has '.' or '..' parts, which some servers resolve to another object: left alone"
+    if STATE_DIR in parts:
+        return f"its key is inside a {STATE_DIR}/ folder, cachedoctor's own state: left alone"
+    if len(relkey.encode("utf-8", "surrogatepass")) > KEY_LIMIT:
+        return f"its key is longer than S3's {KEY_LIMIT} bytes: left alone"
+    return None
 
 
 def _root_of(url: str, roots: tuple[str, ...]) -> str | None:
@@ -225,12 +247,61 @@ def _mirror(journal: Journal, root: str, run_id: str, actions: list[RemoteAction
 
 
 def _read_mirror(root: str, run_id: str) -> dict | None:
+    """The bucket's mirror of run `run_id`, None when there is none; a RemoteFixError when it
+    cannot be read or is no JSON object. Anyone who may write to the bucket may have written
+    it: its rows are checked one by one (_mirror_rows) before undo acts on any."""
     bucket, prefix = split(root)
+    url = join(bucket, f"{prefix}/{STATE_DIR}/journal/{run_id}.json")
     try:
-        raw = clients.read_object(join(bucket, f"{prefix}/{STATE_DIR}/journal/{run_id}.json"), 64 * 2**20)
-        return None if raw is None else json.loads(raw)
-    except (OSError, ValueError):
+        raw = clients.read_object(url, MIRROR_LIMIT)
+    except OSError as exc:
+        raise RemoteFixError(f"cannot read the journal mirror {url}: {printable(str(exc))}") from None
+    if raw is None:
         return None
+    try:
+        mirror = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
+        mirror = None
+    if not isinstance(mirror, dict) or not isinstance(mirror.get("actions"), list):
+        raise RemoteFixError(f"{url} is no journal mirror cachedoctor writes: nothing undone")
+    return mirror
+
+
+Row = tuple[int, str, str, int, str]  # (seq, object, quarantine, size, etag)
+
+
+def _mirror_rows(mirror: dict, root: str, run_id: str) -> tuple[list[Row], list[tuple[str, str]]]:
+    """The done actions of a mirror as undo rows, and (where, why) for each row refused: the
+    object must be a key under `root` that the fix could have planned, and its quarantine copy
+    the one that run made of it (the mirror's `quarantine` field is never used as written)."""
+    rows: list[Row] = []
+    refused: list[tuple[str, str]] = []
+    mirror_url = f"{root}/{STATE_DIR}/journal/{run_id}.json"
+    for n, item in enumerate(mirror["actions"]):
+        if not isinstance(item, dict) or item.get("state") != DONE:
+            continue
+        url, seq, size, etag = item.get("object"), item.get("seq"), item.get("size"), item.get("etag")
+        where = f"{mirror_url} (action {n})"
+        if not (isinstance(url, str) and isinstance(seq, int) and isinstance(size, int)
+                and isinstance(etag, str)) or isinstance(seq, bool) or isinstance(size, bool) \
+                or size < 0:
+            refused.append((where, "not an action cachedoctor writes (its fields have the wrong "
+                                   "types): left alone"))
+            continue
+        if not url.startswith(root + "/"):
+            refused.append((where, "names an object outside the cache prefix: left alone"))
+            continue
+        why = odd_key(url[len(root) + 1:])
+        if why is not None:
+            refused.append((where, why.replace("its key", "the object's key")))
+            continue
+        quarantine = RemoteAction(url, root, (), size, etag).quarantine(run_id)
+        if item.get("quarantine") != quarantine:
+            refused.append((where, f"names a quarantine copy other than {STATE_DIR}/{QUARANTINE_DIR}/"
+                                   f"{run_id}/ under the prefix: left alone"))
+            continue
+        rows.append((seq, url, quarantine, size, etag))
+    return rows, refused
 
 
 # -- apply ----------------------------------------------------------------------------------------
@@ -324,9 +395,13 @@ def undo(run_id: str | None, root: str, *, warn=lambda line: None) -> RemoteRun:
     """Put back every object run `run_id` (default: the latest not undone) quarantined in the
     S3 cache `root`, from the local journal, else the bucket's mirror of it."""
     root = root.rstrip("/")
+    if run_id is not None and not RUN_ID.fullmatch(run_id):
+        raise RemoteFixError(f"{printable(run_id)!r} is no run id cachedoctor writes "
+                             "(like 20250101T120000Z-1a2b)")
     folder = local_root(root)
     journal = Journal.existing(folder)
-    rows: list[tuple[int, str, str, int, str]] = []  # (seq, object, quarantine, size, etag)
+    rows: list[Row] = []
+    refused: list[tuple[str, str]] = []
     if journal is not None:
         with journal:
             runs = [r for r in journal.runs() if r.state not in (UNDONE,)]
@@ -348,9 +423,10 @@ def undo(run_id: str | None, root: str, *, warn=lambda line: None) -> RemoteRun:
         if mirror is None:
             raise RemoteFixError(f"no run {run_id} in {root}: no local journal, nor "
                                  f"{root}/{STATE_DIR}/journal/{run_id}.json")
-        rows = [(a["seq"], a["object"], a["quarantine"], int(a["size"]), a["etag"])
-                for a in mirror.get("actions", []) if a.get("state") == DONE]
+        rows, refused = _mirror_rows(mirror, root, run_id)
     result = RemoteRun(run_id)
+    for where, why in refused:
+        result.outcomes.append((RemoteAction(where, root, (), 0, ""), CONFLICT, why))
     with Journal.open(folder) as journal:
         known = journal.run(run_id) is not None
         if known:
@@ -406,14 +482,14 @@ def render_plan(plan: RemotePlan, out: TextIO, *, verbose: bool = False) -> None
                   f"{human_bytes(plan.quarantined_size)} of objects to the quarantine, then deletes "
                   "the originals\n")
         for action in plan.actions if verbose else plan.actions[:10]:
-            out.write(f"      {','.join(action.codes):<12} {action.url}\n")
+            out.write(f"      {','.join(action.codes):<12} {printable(action.url)}\n")
         if not verbose and len(plan.actions) > 10:
             out.write(f"      ... and {len(plan.actions) - 10} more (--verbose lists them)\n")
     skipped = [n for n in plan.notes if n.skipped]
     if skipped:
         out.write(f"Skipped: {len(skipped)} finding{'s' * (len(skipped) != 1)}, nothing changes for them\n")
         for note in skipped if verbose else skipped[:10]:
-            out.write(f"      {note.code:<12} {note.path}: {note.message}\n")
+            out.write(f"      {note.code:<12} {printable(note.path)}: {printable(note.message)}\n")
     manual = [n for n in plan.notes if not n.skipped]
     if manual:
         out.write(f"Manual: {len(manual)} finding{'s' * (len(manual) != 1)} without an automatic fix\n")
@@ -431,5 +507,5 @@ def render_run(run: RemoteRun, out: TextIO, undoing: bool = False) -> None:
                   f"--cache {run.outcomes[0][0].root if run.outcomes else 's3://…'})\n")
     for action, state, error in run.outcomes:
         if error:
-            out.write(f"  {state:<10} {action.url}: {error}\n")
+            out.write(f"  {state:<10} {printable(action.url)}: {printable(error)}\n")
 

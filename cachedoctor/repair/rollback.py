@@ -82,6 +82,11 @@ def _roll_back(record: ActionRecord, paths: ActionPaths, root_fd: int, fds: list
         _remove_at(quarantine, kept_name)
         return None
     ours = record.kind != QUARANTINE and record.sha_after and _sha_at(folder, name) == record.sha_after
+    kept = confined.lstat_at(quarantine, kept_name)
+    if (ours or here is None) and (kept is None or not stat.S_ISREG(kept.st_mode)):
+        # the run kept a regular file there: a symlink or FIFO in its place was planted since
+        return (f"{paths.quarantine} is no longer a regular file (a symlink, FIFO or folder was "
+                "put in its place since the run): left alone")
     if ours or here is None:
         atomic.move_at(quarantine, kept_name, folder, name, os.path.basename(paths.restore_temp))
         return None

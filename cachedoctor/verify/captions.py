@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 from cachedoctor.layouts.base import Dataset
@@ -67,11 +68,20 @@ def text_entries(trainer: str, dataset: Dataset) -> list[TextEntry]:
 
 def read_caption(path: str) -> str | None:
     """A caption file's text as the trainers read it (stripped), None if there is none."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(CAPTION_BYTES + 1)
+    try:  # without blocking: a FIFO in a caption's place would hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, /dev/zero: no caption
+            return None
+        raw = b""
+        while len(raw) <= CAPTION_BYTES and (chunk := os.read(fd, CAPTION_BYTES + 1 - len(raw))):
+            raw += chunk
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(raw) > CAPTION_BYTES:
         return None
     return raw.decode("utf-8", "replace").strip()

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import stat
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cachedoctor.formats import read_path
 from cachedoctor.layouts.entries import EntryFormat, EntrySpec, Geometry
 from cachedoctor.repair.encoders import DiffusersEncoder, Encoder, EncoderError
 
@@ -31,17 +32,18 @@ class Unreadable(Exception):
     """The cached entry cannot be compared; str() says why."""
 
 
+ENTRY_LIMIT = 1 << 30  # bytes of one cache entry read for a comparison (latents are MBs)
+
+
 def cached_latent(path: str, fmt: EntryFormat) -> torch.Tensor:
     """The latent stored at `path`, float32 [C, h, w], as the trainer loads it."""
     import torch
 
-    meta = read_path(path)
-    if meta.errors or meta.unsafe_globals:
-        raise Unreadable("the scan's reader rejects it (run cachedoctor scan)")
+    data = checked_bytes(path)
     try:
-        loaded = _load(path, fmt)
+        loaded = _load_container(data, fmt.container)
         value: Any = loaded if fmt.key is None else loaded[fmt.key]
-    except (KeyError, OSError, ValueError, RuntimeError) as exc:
+    except (KeyError, OSError, ValueError, RuntimeError, EOFError) as exc:
         raise Unreadable(f"cannot load it as its neighbours are stored: {exc}") from None
     if not isinstance(value, torch.Tensor):
         value = torch.from_numpy(value)
@@ -52,30 +54,60 @@ def cached_latent(path: str, fmt: EntryFormat) -> torch.Tensor:
     return value.float()
 
 
-def load_tensors(path: str) -> Any:
-    """A file's tensors, loaded by its name: safetensors, npz, else torch (gzip around it too)."""
+def checked_bytes(path: str) -> bytes:
+    """The entry's bytes, read once and judged by the scan's reader: what is loaded is what
+    was judged (a file swapped between a check by name and a load by name would not be), and
+    a FIFO, a device or a file past ENTRY_LIMIT is refused before a byte is read."""
+    from cachedoctor.formats import read_bytes
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unreadable(f"cannot open it: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable("not a regular file (a FIFO, a device or a folder)")
+        if st.st_size > ENTRY_LIMIT:
+            raise Unreadable(f"{st.st_size:,} bytes: larger than any latent (not loaded)")
+        chunks, left = [], ENTRY_LIMIT + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise Unreadable(f"cannot read it: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > ENTRY_LIMIT:
+        raise Unreadable("it grew past its size while read (not loaded)")
+    meta = read_bytes(data, path)
+    if meta.errors or meta.unsafe_globals:
+        raise Unreadable("the scan's reader rejects it (run cachedoctor scan)")
+    return data
+
+
+def load_tensors(data: bytes, path: str) -> Any:
+    """A file's tensors from its bytes, loaded as its name says: safetensors, npz, else torch
+    (gzip around it too)."""
     container = "safetensors" if path.endswith(".safetensors") else "npz" if path.endswith(".npz") else "zip"
-    return _load_container(path, container)
+    return _load_container(data, container)
 
 
-def _load(path: str, fmt: EntryFormat) -> Any:
-    return _load_container(path, fmt.container)
-
-
-def _load_container(path: str, container: str) -> Any:
+def _load_container(data: bytes, container: str) -> Any:
+    """Plain tensors only: the trainers' own loaders, restricted (module doc)."""
     if container == "safetensors":
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        return load_file(path)
+        return load(data)
     if container == "npz":
         import numpy as np
 
-        with np.load(path, allow_pickle=False) as npz:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files}
     import torch
 
-    with open(path, "rb") as f:
-        data = f.read()
+    # the reader inflated it under its cap before accepting it: the same bytes, bounded
     source: Any = io.BytesIO(gzip.decompress(data)) if data[:2] == b"\x1f\x8b" else io.BytesIO(data)
     return torch.load(source, weights_only=True, map_location="cpu")
 

@@ -193,15 +193,12 @@ def cached_tensors(path: str) -> dict[str, torch.Tensor]:
     import numpy as np
     import torch
 
-    from cachedoctor.formats import read_path
-    from cachedoctor.verify.encode import load_tensors
+    from cachedoctor.verify.encode import checked_bytes, load_tensors
 
-    meta = read_path(path)
-    if meta.errors or meta.unsafe_globals:
-        raise Unreadable("the scan's reader rejects it (run cachedoctor scan)")
+    data = checked_bytes(path)
     try:
-        loaded = load_tensors(path)
-    except (KeyError, OSError, ValueError, RuntimeError) as exc:
+        loaded = load_tensors(data, path)
+    except (KeyError, OSError, ValueError, RuntimeError, EOFError) as exc:
         raise Unreadable(f"cannot load it: {exc}") from None
     out = {}
     for name, value in (loaded.items() if isinstance(loaded, dict) else [("", loaded)]):
