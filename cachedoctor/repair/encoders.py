@@ -125,22 +125,29 @@ def resolve(spec: str) -> Encoder:
         return ReferenceEncoder()
     if spec.startswith("diffusers:"):
         return _diffusers(spec, spec.removeprefix("diffusers:"))
+    found = user_callable("--encoder", spec, "diffusers:PATH, module:callable or reference (the "
+                          "test harness's stand-in: never on a real cache)")
+    return CallableEncoder(spec, found)
+
+
+def user_callable(option: str, spec: str, expected: str) -> Callable[..., Any]:
+    """The function a `module:callable` spec names; EncoderError with a one-line reason.
+    `expected` lists the option's spec forms for the error about a spec of no known form."""
     match = CALLABLE_SPEC.match(spec)
     if match is None:
-        raise EncoderError(f"unknown --encoder {spec!r}: expected diffusers:PATH, module:callable "
-                           "or reference (the test harness's stand-in: never on a real cache)")
+        raise EncoderError(f"unknown {option} {spec!r}: expected {expected}")
     module_name, attribute = match.groups()
     try:
         found: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EncoderError(f"--encoder {spec}: cannot import {module_name}: {exc}") from None
+        raise EncoderError(f"{option} {spec}: cannot import {module_name}: {exc}") from None
     for name in attribute.split("."):
         if not hasattr(found, name):
-            raise EncoderError(f"--encoder {spec}: {module_name} has no attribute {attribute}")
+            raise EncoderError(f"{option} {spec}: {module_name} has no attribute {attribute}")
         found = getattr(found, name)
     if not callable(found):
-        raise EncoderError(f"--encoder {spec}: {attribute} is not callable")
-    return CallableEncoder(spec, found)
+        raise EncoderError(f"{option} {spec}: {attribute} is not callable")
+    return found
 
 
 def _diffusers(spec: str, path: str) -> Encoder:

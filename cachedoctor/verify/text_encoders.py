@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cachedoctor.repair.encoders import CALLABLE_SPEC, EncoderError
+from cachedoctor.repair.encoders import EncoderError, user_callable
 
 if TYPE_CHECKING:
     import torch
@@ -168,21 +168,8 @@ def resolve(spec: str) -> TextEncoder:
         return ReferenceTextEncoder()
     if spec.startswith("transformers:"):
         return _transformers(spec, spec.removeprefix("transformers:"))
-    match = CALLABLE_SPEC.match(spec)
-    if match is None:
-        raise EncoderError(f"unknown --text-encoder {spec!r}: expected transformers:PATH, "
-                           "module:callable or reference (the tests' stand-in)")
-    module_name, attribute = match.groups()
-    try:
-        found: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EncoderError(f"--text-encoder {spec}: cannot import {module_name}: {exc}") from None
-    for name in attribute.split("."):
-        if not hasattr(found, name):
-            raise EncoderError(f"--text-encoder {spec}: {module_name} has no attribute {attribute}")
-        found = getattr(found, name)
-    if not callable(found):
-        raise EncoderError(f"--text-encoder {spec}: {attribute} is not callable")
+    found = user_callable("--text-encoder", spec,
+                          "transformers:PATH, module:callable or reference (the tests' stand-in)")
     return CallableTextEncoder(spec, found)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import sys
 import textwrap
 from pathlib import Path
 
@@ -290,6 +291,8 @@ def test_a_diffusers_autoencoder_is_loaded_from_a_local_dir(tmp_path: Path, monk
                 return types.SimpleNamespace(latent_dist=types.SimpleNamespace(mode=lambda: latent))
     """))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "diffusers" or m.startswith("diffusers.")]:
+        monkeypatch.delitem(sys.modules, name)  # a real diffusers imported earlier would win
     model = tmp_path / "sdxl"
     (model / "vae").mkdir(parents=True)
     (model / "vae" / "config.json").write_text('{"latent_channels": 4, "scaling_factor": 0.13025}')
