@@ -36,6 +36,10 @@ from cachedoctor.layouts.musubi import VIDEO_LATENT, latent_frames
 from cachedoctor.rule import Rule, RuleContext
 
 MAIN_KEY = re.compile(r"^latents_(?P<f>\d+)x\d+x\d+_[a-z0-9_]+$")
+# FramePack caches a clip as sections (`<stem>_<pos>-<frames>-<section>_...`), each latent one
+# window of `fp_latent_window_size` latent frames, not the whole clip (fpack_cache_latents.py,
+# kohya-ss/musubi-tuner 30c658c4): its frame axis says nothing about the clip's frame count.
+SECTIONED = frozenset({"framepack"})
 
 
 def _latent_axis(meta: FileMeta) -> int | None:
@@ -63,7 +67,7 @@ def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     header = meta.metadata["frame_count"]
     if header != str(frames):
         problems.append(f"its header says frame_count {header}")
-    axis = _latent_axis(meta)
+    axis = None if meta.metadata.get("architecture") in SECTIONED else _latent_axis(meta)
     if axis is not None and axis != latent_frames(frames):
         problems.append(f"its latent has {axis} latent frames where {frames} frames make "
                         f"{latent_frames(frames)}")

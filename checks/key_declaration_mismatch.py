@@ -4,7 +4,9 @@ declares. musubi names every tensor for what it holds: `latents_<F>x<H>x<W>_<dty
 `latents_image_…`, `latents_control_…`), `clip_<dtype>`, `f_indices_int32`. Also reports a
 latent whose file name gives another original size (`_<WWWW>x<HHHH>_`) than its header's
 `width` and `height`. Only files with musubi's header (`architecture`, `format_version`) are
-checked.
+checked. Where musubi's own writer declares the main latent's F or dtype on another key
+(FramePack's `latents_clean_…` hold 2 or 16 frames, Wan's `clip_` output is float16 under the
+latent's bfloat16), only what the writer declares truly is compared.
 
 ## Why is this bad?
 musubi trusts the names. The training loader strips the `_<F>x<H>x<W>` and the dtype from each
@@ -49,6 +51,15 @@ DTYPES = tuple(sorted((
     "complex64", "complex128"), key=len, reverse=True))
 LATENT_KEY = re.compile(r"^latents_(?:[a-z0-9_]+_)?(?P<f>\d+)x(?P<h>\d+)x(?P<w>\d+)_[a-z0-9_]+$")
 PATCH_TOKENS = "hidream_o1_image"  # [H patches, W patches, D]: the size leads
+# Keys whose size or dtype suffix musubi's writer takes from the main latent, not from the
+# tensor itself (cache_io.py, kohya-ss/musubi-tuner 30c658c4), keyed by the `architecture`:
+# - FramePack names `latents_clean_<F>x<H>x<W>` (also `_2x`, `_4x`) with the target latent's
+#   F: the clean latents hold their own frame count (2, 2 and 16; N + 1 for one-frame
+#   training). Only H and W are the tensor's own.
+# - Wan names the I2V CLIP output `clip_<latent dtype>`: the latent is bfloat16, the CLIP
+#   output float16. FramePack's `image_embeddings_<latent dtype>` likewise.
+FRAMES_OF_MAIN = {"framepack": ("latents_clean_",)}
+DTYPE_OF_MAIN = {"wan": ("clip_",), "framepack": ("image_embeddings_",)}
 
 
 def declared_dtype(key: str) -> str | None:
@@ -82,9 +93,14 @@ def problems(meta: FileMeta) -> list[str]:
         match = LATENT_KEY.match(key)
         if match is not None:
             want = (int(match["f"]), int(match["h"]), int(match["w"]))
-            if declared_frames(tensor, architecture) != want:
+            have = declared_frames(tensor, architecture)
+            if have is not None and key.startswith(FRAMES_OF_MAIN.get(architecture, ())):
+                have = (want[0], *have[1:])  # F is the main latent's, see FRAMES_OF_MAIN
+            if have != want:
                 wrong.append("{}x{}x{} (F x H x W)".format(*want))
         dtype = declared_dtype(key)
+        if key.startswith(DTYPE_OF_MAIN.get(architecture, ())):
+            dtype = None  # the main latent's dtype, see DTYPE_OF_MAIN
         if dtype is not None and dtype != tensor.dtype:
             wrong.append(dtype)
         if wrong:

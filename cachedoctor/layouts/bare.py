@@ -16,7 +16,9 @@ or place shows a trainer's own layout, whose bucket semantics then apply:
 - `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders);
 - `<stem>_<W>x<H>_<arch>.safetensors` with musubi-tuner's header (`format_version`,
   `architecture`): no bucket, the architecture its family; a folder holding such files beside
-  images or videos is a musubi-tuner media dir with its caches, where the media belong.
+  images or videos is a musubi-tuner media dir with its caches, where the media belong;
+- a diffusion-pipe `[[directory]]` folder (`cache/<model>/metadata/grouping_keys.json`): the
+  media belong, `cache/` holds every model's sharded caches.
 
 A tree is not one dataset: every folder that holds cache files is a dataset of its own (the
 dataset rules compare files of one dataset only), so that `cache/vae/sdxl/photos` and
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.inventory import LATENT, TEXT, classify
-from cachedoctor.layouts import aitoolkit, kohya, musubi, onetrainer
+from cachedoctor.layouts import aitoolkit, diffusion_pipe, kohya, musubi, onetrainer
 from cachedoctor.layouts.base import ANY_DEVICE, NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
 from cachedoctor.layouts.common import listdir, names, subdirs
 
@@ -67,6 +69,8 @@ def layout(path: str) -> Layout:
         dataset = Dataset(name, image_dirs=(path,), latent_cache_dir=path, text_cache_dir=path,
                           caches_beside_images=True, naming=BareNaming(frozen({})))
         return Layout("bare", None, (dataset,))
+    if isdir and diffusion_pipe.dataset_folder(path):
+        return Layout("bare", None, diffusion_pipe.bare_datasets(path, name))
     if isdir and os.path.basename(path) == aitoolkit.LATENT_DIR:
         return _aitoolkit(path, os.path.dirname(path), (path,))
     latent_caches = _aitoolkit_caches(path) if isdir else []

@@ -81,13 +81,22 @@ def parent_named(path: str, name: str) -> str | None:
 
 
 def unique(ids: Iterable[str]) -> list[str]:
-    """The ids with repeats made unique: photos, photos (2), ..."""
+    """The ids with repeats made unique: photos, photos (2), ... A made-up id never takes one
+    given as such: ids already unique per config ("videos (2)") meet again across configs."""
+    names = list(ids)
+    taken = set(names)
     seen: dict[str, int] = {}
+    used: set[str] = set()
     out = []
-    for name in ids:
+    for name in names:
         count = seen.get(name, 0) + 1
+        candidate = name if count == 1 and name not in used else f"{name} ({count})"
+        while candidate in used or (count > 1 and candidate in taken):
+            count += 1
+            candidate = f"{name} ({count})"
         seen[name] = count
-        out.append(name if count == 1 else f"{name} ({count})")
+        used.add(candidate)
+        out.append(candidate)
     return out
 
 

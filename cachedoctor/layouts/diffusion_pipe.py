@@ -32,6 +32,31 @@ CACHE_DIR = "cache"
 MODEL_NAMES = {"hunyuan_video_15": "hunyuan_video_1.5"}
 
 
+def dataset_folder(path: str) -> bool:
+    """A `[[directory]]` folder: its images or videos, and diffusion-pipe's cache of some model
+    in `cache/<model name>/` (`metadata/grouping_keys.json`, written by cache_metadata before
+    any shard). Scanned bare, its files are the dataset's media, not stray files of a cache."""
+    cache = os.path.join(path, CACHE_DIR)
+    try:
+        models = os.listdir(cache)
+    except OSError:
+        return False
+    return any(os.path.isfile(os.path.join(cache, m, "metadata", "grouping_keys.json"))
+               for m in models[:64])
+
+
+def bare_datasets(path: str, name: str) -> tuple[Dataset, ...]:
+    """The datasets of a `[[directory]]` folder scanned with no config: one per model cache
+    under `cache/` (an SDXL and a FLUX cache of one folder are never compared)."""
+    cache = os.path.join(path, CACHE_DIR)
+    models = sorted(m for m in os.listdir(cache) if os.path.isdir(os.path.join(cache, m)))
+    return tuple(Dataset(
+        name if len(models) == 1 else f"{name} ({model})",
+        cache_dirs=(os.path.join(cache, model),), image_dirs=(path,),
+        shallow_image_dirs=(path,), latent_cache_dir=os.path.join(cache, model),
+        caches_beside_images=True, model_family=model) for model in models)
+
+
 def claims(config: ConfigFile) -> bool:
     data = config.data
     if config.kind != "toml" or not isinstance(data, dict):
