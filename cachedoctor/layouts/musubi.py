@@ -44,6 +44,7 @@ from cachedoctor.layouts.common import Problems, ending, listdir, names, typed, 
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
+from cachedoctor.regular_files import read_small
 
 NAME = "musubi"
 TITLE = "musubi-tuner"
@@ -294,12 +295,8 @@ def _captions(media: str | None, extension: object, jsonl: str | None,
 
 
 def _read_caption(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CAPTION_BYTES + 1)
-    except OSError:
-        return None
-    if len(raw) > MAX_CAPTION_BYTES:
+    raw = read_small(path, MAX_CAPTION_BYTES)
+    if raw is None or len(raw) > MAX_CAPTION_BYTES:
         return None
     try:
         return raw.decode("utf-8").strip()

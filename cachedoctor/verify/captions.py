@@ -25,10 +25,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import stat
 from dataclasses import dataclass
 
 from cachedoctor.layouts.base import Dataset
+from cachedoctor.regular_files import read_small
 
 KOHYA_TEXT = re.compile(r"^(?P<stem>.+?)(?:_te_outputs|_[a-z0-9]+_te)\.npz$")
 CAPTION_BYTES = 65536  # a caption file longer than this is no caption
@@ -68,21 +68,8 @@ def text_entries(trainer: str, dataset: Dataset) -> list[TextEntry]:
 
 def read_caption(path: str) -> str | None:
     """A caption file's text as the trainers read it (stripped), None if there is none."""
-    try:  # without blocking: a FIFO in a caption's place would hang the open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, /dev/zero: no caption
-            return None
-        raw = b""
-        while len(raw) <= CAPTION_BYTES and (chunk := os.read(fd, CAPTION_BYTES + 1 - len(raw))):
-            raw += chunk
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(raw) > CAPTION_BYTES:
+    raw = read_small(path, CAPTION_BYTES)  # a FIFO or /dev/zero is no caption
+    if raw is None or len(raw) > CAPTION_BYTES:
         return None
     return raw.decode("utf-8", "replace").strip()
 

@@ -4,6 +4,8 @@ layout makes possible, each firing on its defect and silent on the clean project
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from cachedoctor.fixtures.projects import kohya, musubi
 from cachedoctor.layouts import resolve
 from cachedoctor.layouts.musubi import bucket_resolutions, select_bucket
 
-from conftest import by_code, invoke, scan_paths
+from conftest import by_code, invoke, run_cli, scan_paths
 
 SEVERE = 2  # warning and above
 
@@ -325,3 +327,16 @@ def test_fix_quarantines_and_undo_puts_back(tmp_path: Path, monkeypatch: pytest.
     assert by_code(after, "CD306") == [] and by_code(after, "CD410") == []
     assert invoke("undo", "--cache", str(project.root / "cache" / "qwen")).exit_code == 0
     assert {p: p.read_bytes() for p in broken} == before
+
+
+def test_a_fifo_in_a_captions_place_does_not_hang_the_scan(tmp_path: Path) -> None:
+    """musubi's captions are read to compare with caption1 (CD410): a FIFO named like a
+    caption would block an ordinary open forever. It is no caption; the rest is judged."""
+    project = musubi.build(tmp_path / "m", defects=["CD410"])
+    caption = project.root / "images" / "img_000.txt"
+    caption.unlink()
+    os.mkfifo(caption)
+    result = run_cli("scan", str(project.config), "--format", "json", timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr  # CD410 warns
+    found = {f["path"] for f in json.loads(result.stdout)["findings"] if f["code"] == "CD410"}
+    assert {path for path, _ in project.expected["CD410"]} == found != set()
