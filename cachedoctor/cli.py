@@ -497,6 +497,7 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
     from cachedoctor.repair.lock import LockBusy
+    from cachedoctor.repair.plan import datasets_of
     from cachedoctor.repair.render import render_plan, render_result
     from cachedoctor.repair.session import guarded
 
@@ -514,7 +515,8 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
                 # run creates nothing, a fix with nothing to do leaves no folder behind
                 options = dataclasses.replace(options, index=False)
             report = run_scan(targets, options, layouts=layouts)
-            plan = build_plan(report, roots, reencode, include_info=include_info)
+            plan = build_plan(report, roots, reencode, include_info=include_info,
+                              datasets=datasets_of(layouts))
             render_plan(plan, sys.stdout, verbose=verbose)
             if not plan.actions:
                 typer.echo("Nothing to fix.")

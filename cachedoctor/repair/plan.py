@@ -27,7 +27,7 @@ from cachedoctor.findings import Finding, Report
 from cachedoctor.fix_kinds import FILE_FIXES, KINDS, QUARANTINE, REENCODE, REWRITES, FixKind
 from cachedoctor.formats.shard_blobs import unit_files
 from cachedoctor.inventory import LATENT, classify
-from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec, neighbour_format
+from cachedoctor.layouts.entries import NO_CHANGES, Changes, Entries, EntrySpec, NoSpec, neighbour_format
 from cachedoctor.layouts.onetrainer import REBUILT, rebuilds
 from cachedoctor.repair.apply import Outcome, RunResult, run
 from cachedoctor.repair.caches import root_of
@@ -98,8 +98,12 @@ class Reencode:
     @classmethod
     def of(cls, encoder: Encoder, layouts: Iterable[Layout]) -> Reencode:
         """For a scan of these layouts (dataset ids as the scan gives them)."""
-        return cls(encoder, datasets=MappingProxyType(
-            {d.id: d for layout in layouts for d in layout.datasets}))
+        return cls(encoder, datasets=datasets_of(layouts))
+
+
+def datasets_of(layouts: Iterable[Layout]) -> Mapping[str, Dataset]:
+    """The layouts' datasets by id, as the scan of these layouts names them."""
+    return MappingProxyType({d.id: d for layout in layouts for d in layout.datasets})
 
 
 @dataclass(frozen=True)
@@ -143,9 +147,11 @@ class Plan:
 
 
 def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None = None, *,
-               include_info: bool = False) -> Plan:
+               include_info: bool = False, datasets: Mapping[str, Dataset] | None = None) -> Plan:
     """The plan for `report`'s findings in the caches `roots` (cache_roots of the targets).
-    Info findings are left out (`Plan.left_out`) unless `include_info`."""
+    Info findings are left out (`Plan.left_out`) unless `include_info`. Without `reencode`,
+    `datasets` (the layouts' datasets by id) let a missing entry that no encoder can write
+    name the trainer's own command instead of --reencode."""
     roots = tuple(roots)
     files: dict[str, list[Finding]] = {}
     missing: list[Finding] = []
@@ -160,8 +166,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
             notes.append(Note(finding.code, finding.path, finding.message, edit))
         elif finding.fix == REENCODE and finding.code == missing_cache_entries.RULE.code:
             if reencode is None:
-                notes.append(_skip(finding.code, finding.path, "missing: `--reencode --encoder "
-                                   "SPEC` encodes it"))
+                notes.append(_skip(finding.code, finding.path, _unencoded(finding, datasets)))
             else:
                 missing.append(finding)
         elif finding.fix not in FILE_FIXES:
@@ -227,6 +232,22 @@ def _action(path: str, findings: list[Finding], root: str) -> Action:
     codes = tuple(sorted({f.code for f in findings}))
     return Action(kind, path, root, codes, st.st_size, reclaim.freed(kind, st.st_size, findings, path),
                   planned=FileId.of(st))
+
+
+def _unencoded(finding: Finding, datasets: Mapping[str, Dataset] | None) -> str:
+    """What the plan says of a missing entry without --reencode: that --reencode writes it,
+    or, where the trainer's layout cannot describe it (musubi-tuner, diffusion-pipe), why not
+    and the trainer's command."""
+    found = datasets.get(finding.dataset) if datasets and finding.dataset is not None else None
+    entries = found.naming.entries(found, NO_CHANGES) if found is not None else None
+    if entries is not None:
+        try:
+            entries.spec(finding.path)
+        except NoSpec as exc:
+            return f"no re-encode: {_reason(exc)}"
+        except (OSError, ValueError):
+            pass  # --reencode says what went wrong, entry by entry
+    return "missing: `--reencode --encoder SPEC` encodes it"
 
 
 class _Reencodes:

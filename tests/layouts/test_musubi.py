@@ -179,6 +179,16 @@ def test_fix_plan_quarantines_and_names_musubis_caching_script(tmp_path: Path) -
     assert (project.root / "cache" / "qwen" / latent).exists()  # a dry run changes nothing
 
 
+def test_without_reencode_the_plan_names_musubis_command_not_reencode(tmp_path: Path) -> None:
+    """--reencode cannot write a musubi entry, so the plan without it must not offer it."""
+    project = musubi.build(tmp_path / "m", defects=["CD404"])
+    result = invoke("fix", str(project.config), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "--reencode" not in result.output
+    assert ("no re-encode: musubi-tuner rebuilds it: python src/musubi_tuner/"
+            "qwen_image_cache_latents.py") in result.output
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn",
                                    "float8_e5m2", "complex64"])
 def test_count_values_counts_zeros_of_either_sign_and_nonfinite(dtype: str, tmp_path: Path) -> None:
