@@ -32,10 +32,13 @@ file's record (`record`), so SQLite is never written from many processes of one 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
+import marshal
 import operator
 import os
 import secrets
@@ -54,7 +57,7 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
 from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, excluded
-from cachedoctor.summary import CoverageRow, FileSummary, encode
+from cachedoctor.summary import CoverageRow, FileSummary, Group, encode
 
 NAME = "index.sqlite"
 SCHEMA = "6"
@@ -112,13 +115,20 @@ class Records(NamedTuple):
 
 _STAT_FIELDS = operator.attrgetter("st_size", "st_mtime_ns", "st_ino", "st_dev", "st_ctime_ns")
 _MTIME = operator.attrgetter("st_mtime")
+_GROUP = operator.attrgetter(*Group._fields)  # a summary's Group, as summary.encode counts it
 
 
-def fingerprint(names: list[str] | tuple[str, ...], stats: list[tuple]) -> bytes:
+def fingerprint(names: list[str] | tuple[str, ...], stats: Iterable[tuple]) -> bytes:
     """One digest of a directory's names (in walk order) and their stats: a rescan of an
     unchanged directory compares it, not each file's row."""
-    text = repr((list(names), stats)).encode("utf-8", "surrogatepass")
-    return hashlib.blake2b(text, digest_size=16).digest()
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update("\0".join(names).encode("utf-8", "surrogatepass"))
+    stats = list(stats)
+    try:  # C loops: a third of repr()'s time
+        digest.update(array.array("q", itertools.chain.from_iterable(stats)).tobytes())
+    except OverflowError:  # an inode or a time beyond 63 bits
+        digest.update(repr(stats).encode())
+    return digest.digest()
 
 
 class Recorder:
@@ -180,32 +190,34 @@ class Recorder:
         if 0 < len(rows) == len(names) == files < WHOLE_DIR and \
                 all(r[10] is None for r in rows) and \
                 [r[1] for r in rows] == [n.encode(FS, "surrogateescape") for n in names]:
-            folder = self._folder(rows, names)
+            folder = folder_row(rows, names)
         if folder is not None:
             return Records([], texts, folder)
         return Records(rows, texts)
 
-    def _folder(self, rows: list[tuple], names: tuple[str, ...]) -> tuple | None:
-        scope = rows[0][7]
-        if any(r[7] != scope for r in rows):
-            return None
-        stats = [r[2:7] for r in rows]
-        runs: list[list] = []
-        for r in rows:
-            if runs and runs[-1][0] == r[9]:
-                runs[-1][1] += 1
-            else:
-                runs.append([r[9], 1])
-        cover = [None if r[11] is None else list(r[11:15]) for r in rows]
-        try:
-            detail = _dumps([list(names), [list(st) for st in stats], [r[8] for r in rows]])
-            coverage = None if all(c is None for c in cover) else _dumps(cover)
-            summaries = _dumps(runs)
-        except (TypeError, ValueError):
-            return None
-        return (max(st[1] for st in stats),
-                (rows[0][0], scope, fingerprint(names, stats), len(rows), sum(r[8] for r in rows),
-                 summaries, coverage, detail))
+def folder_row(rows: list[tuple], names: Any) -> tuple | None:
+    """The `dirs` row of a directory whose files are `rows` (`files` rows, in the order of
+    `names`, none with a finding), with the newest mtime_ns: None when it has no JSON form."""
+    scope = rows[0][7]
+    if any(r[7] != scope for r in rows):
+        return None
+    stats = [r[2:7] for r in rows]
+    runs: list[list] = []
+    for r in rows:
+        if runs and runs[-1][0] == r[9]:
+            runs[-1][1] += 1
+        else:
+            runs.append([r[9], 1])
+    cover = [None if r[11] is None else list(r[11:15]) for r in rows]
+    try:
+        detail = _dumps([list(names), [list(st) for st in stats], [r[8] for r in rows]])
+        coverage = None if all(c is None for c in cover) else _dumps(cover)
+        summaries = _dumps(runs)
+    except (TypeError, ValueError):
+        return None
+    return (max(st[1] for st in stats),
+            (rows[0][0], scope, fingerprint(names, stats), len(rows), sum(r[8] for r in rows),
+             summaries, coverage, detail))
 
 
 def _dumps(value: Any) -> str:
@@ -554,20 +566,22 @@ def stat_key(path: str) -> _STAT | None:
 
 
 def fs_now(path: str | None) -> int:
-    """Now by the clock that stamps files, at most: the kernel stamps a change with a clock that
-    lags time.time_ns() by up to a tick (4-10 ms) and truncates it to the file system's
-    granularity, so a file changed just after time.time_ns() can look older than it. Touching
-    the index file and reading its mtime asks that file system; Linux's coarse clock is the
-    floor of a local file system's stamps when the index lives elsewhere."""
+    """Now, by the clock that stamps files. The kernel stamps a change with a clock that lags
+    time.time_ns() by up to a tick (4-10 ms), truncated to the file system's granularity, so
+    a file changed just after time.time_ns() can look older than it (and --changed-since
+    would leave it out). Touching the index file (stat'ed first: Linux then stamps its change
+    finely and no later stamp is older) and reading its mtime asks the clock itself; without
+    an index file, Linux's coarse clock is the floor of its stamps."""
+    if path is not None:
+        with contextlib.suppress(OSError, NotImplementedError):
+            os.lstat(path)
+            os.utime(path, follow_symlinks=False)
+            return os.lstat(path).st_mtime_ns
     now = time.time_ns()
     coarse = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswith("linux") else None)
     if coarse is not None:
         with contextlib.suppress(OSError):
             now = min(now, time.clock_gettime_ns(coarse))
-    if path is not None:
-        with contextlib.suppress(OSError, NotImplementedError):
-            os.utime(path, follow_symlinks=False)
-            now = min(now, os.lstat(path).st_mtime_ns)
     return now
 
 
@@ -707,7 +721,18 @@ class Session:
             reused.summaries.append(encode(batch.dataset, summaries))
         if whole and len(keep) == len(names):
             self.whole.add(folder_id)
+        elif whole and not keep and since is None and self.db is not None:
+            self._refresh(folder_id, names, rows)
         return keep, reused
+
+    def _refresh(self, folder_id: int, names: Any, rows: dict[str, tuple]) -> None:
+        """A new `dirs` row for a directory whose every file was reused one by one (its row
+        was out of date, or missing): the next rescan takes the fast path again."""
+        ordered = [(folder_id, n.encode(FS, "surrogateescape"), *rows[n][1:]) for n in names]
+        if all(r[10] is None and r[3] < self.started - RACY_NS for r in ordered):
+            made = folder_row(ordered, names)
+            if made is not None:
+                self.folders.append(made[1])
 
     def _folder(self, folder_id: int) -> tuple | None:
         """The directory's `dirs` row, if any."""
@@ -733,11 +758,12 @@ class Session:
             stats = list(map(os.stat, paths))
         except OSError:
             return False
-        if fingerprint(names, list(map(_STAT_FIELDS, stats))) != fp:
+        if fingerprint(names, map(_STAT_FIELDS, stats)) != fp:
             return False
         mtimes = list(map(_MTIME, stats))
-        summaries: list[FileSummary] = []
+        summaries: list[tuple] = []
         rows: list[CoverageRow] = []
+        counts: dict[tuple, int] = {}
         try:
             at = 0
             for sid, n in json.loads(runs_text):
@@ -745,8 +771,10 @@ class Session:
                     raise ValueError("not a run")
                 if sid is not None:
                     before, after = self._template(sid)
-                    summaries.extend([FileSummary(p, *before, m, *after)
-                                      for p, m in zip(paths[at:at + n], mtimes[at:at + n], strict=True)])
+                    group = _GROUP(FileSummary("", *before, 0.0, *after))
+                    counts[group] = counts.get(group, 0) + n
+                    summaries.extend([(p, *before, m, *after) for p, m in
+                                      zip(paths[at:at + n], mtimes[at:at + n], strict=True)])
                 at += n
             if at != files:
                 raise ValueError("runs do not cover the directory")
@@ -762,8 +790,9 @@ class Session:
                                 not all(v is None or type(v) is str for v in (key, note)):
                             raise ValueError("not a coverage row")
                         rows.append(CoverageRow(dataset, side, key, path, mtime, flag, note))
-            if summaries:
-                reused.summaries.append(encode(batch.dataset, summaries))
+            if summaries:  # summary.encode's blob, its tally made by run
+                reused.summaries.append((batch.dataset or "",
+                                         marshal.dumps((list(counts.items()), summaries))))
         except Exception:  # written by something else: file by file
             return False
         reused.files, reused.bytes, reused.coverage = files, nbytes, rows
