@@ -591,6 +591,9 @@ def _folder_rows(folder: tuple) -> list[tuple]:
     names, stats, sizes = json.loads(detail)
     ids: list = []
     for sid, n in json.loads(summaries):
+        if (sid is not None and type(sid) is not int) or type(n) is not int or \
+                not 0 < n <= files - len(ids):
+            raise ValueError("not a run")
         ids.extend([sid] * n)
     cover = json.loads(coverage) if coverage is not None else [None] * len(names)
     if not len(names) == len(stats) == len(sizes) == len(ids) == len(cover) == files:

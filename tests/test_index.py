@@ -454,6 +454,9 @@ def test_a_tampered_directory_row_is_read_file_by_file_or_again(tmp_path: Path) 
         db.execute("UPDATE dirs SET summaries = '[[1, \"x\"]]', coverage = '[1]', fp = x'00'")
     assert same(scan(root), expected)
     with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
+        db.execute("UPDATE dirs SET summaries = '[[[1], 20], [1, 1000000000000]]', fp = x'00'")
+    assert same(scan(root), expected)
+    with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
         db.execute("UPDATE dirs SET detail = 'cos\\nsystem\\n', fp = x'00'")
     tampered = scan(root)
     assert same(tampered, expected) and tampered.index["reused"] == 0
