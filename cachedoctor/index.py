@@ -78,7 +78,7 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT);
 CREATE TABLE IF NOT EXISTS dirs (
     dir INTEGER PRIMARY KEY, scope INTEGER, fp BLOB, files INTEGER, bytes INTEGER,
-    summaries TEXT, coverage TEXT, detail TEXT
+    summaries TEXT, coverage TEXT, detail BLOB
 );
 CREATE TABLE IF NOT EXISTS scans (
     id TEXT PRIMARY KEY, started_ns INTEGER, finished_ns INTEGER, files INTEGER, reused INTEGER
@@ -118,17 +118,23 @@ _MTIME = operator.attrgetter("st_mtime")
 _GROUP = operator.attrgetter(*Group._fields)  # a summary's Group, as summary.encode counts it
 
 
-def fingerprint(names: list[str] | tuple[str, ...], stats: Iterable[tuple]) -> bytes:
+def _listing(names: Any, stats: Iterable[tuple]) -> bytes:
+    """A directory's names ("\\0"-joined, after their length) and stats (int64s), as bytes;
+    OverflowError for an inode or a time beyond 63 bits."""
+    listed = "\0".join(names).encode("utf-8", "surrogatepass")
+    return b"".join((len(listed).to_bytes(8, "little"), listed,
+                     array.array("q", itertools.chain.from_iterable(stats)).tobytes()))
+
+
+def fingerprint(names: Any, stats: Iterable[tuple]) -> bytes:
     """One digest of a directory's names (in walk order) and their stats: a rescan of an
-    unchanged directory compares it, not each file's row."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update("\0".join(names).encode("utf-8", "surrogatepass"))
+    unchanged directory compares it, not each file's row (C loops, no Python per file)."""
     stats = list(stats)
-    try:  # C loops: a third of repr()'s time
-        digest.update(array.array("q", itertools.chain.from_iterable(stats)).tobytes())
-    except OverflowError:  # an inode or a time beyond 63 bits
-        digest.update(repr(stats).encode())
-    return digest.digest()
+    try:
+        listing = _listing(names, stats)
+    except OverflowError:  # never a `dirs` row's: the directory goes file by file
+        listing = repr((list(names), stats)).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(listing, digest_size=16).digest()
 
 
 class Recorder:
@@ -187,37 +193,35 @@ class Recorder:
         rows, texts = self.rows, self.texts
         self.rows, self.texts = [], []
         folder = None
-        if 0 < len(rows) == len(names) == files < WHOLE_DIR and \
-                all(r[10] is None for r in rows) and \
-                [r[1] for r in rows] == [n.encode(FS, "surrogateescape") for n in names]:
+        if 0 < len(rows) == len(names) == files < WHOLE_DIR:
+            # (one row per name, in order: every entry of the batch was recorded)
             folder = folder_row(rows, names)
         if folder is not None:
             return Records([], texts, folder)
         return Records(rows, texts)
 
+_SUMMARY, _FINDINGS, _SIDE, _SCOPE, _SIZE = (operator.itemgetter(i) for i in (9, 10, 11, 7, 8))
+_ROW_STAT = operator.itemgetter(2, 3, 4, 5, 6)
+
+
 def folder_row(rows: list[tuple], names: Any) -> tuple | None:
     """The `dirs` row of a directory whose files are `rows` (`files` rows, in the order of
-    `names`, none with a finding), with the newest mtime_ns: None when it has no JSON form."""
-    scope = rows[0][7]
-    if any(r[7] != scope for r in rows):
+    `names`, none with a finding), with the newest mtime_ns: None when it has none. Its detail
+    is the fingerprinted listing and each file's size, as bytes (C loops only)."""
+    if set(map(_FINDINGS, rows)) != {None} or len(set(map(_SCOPE, rows))) != 1:
         return None
-    stats = [r[2:7] for r in rows]
-    runs: list[list] = []
-    for r in rows:
-        if runs and runs[-1][0] == r[9]:
-            runs[-1][1] += 1
-        else:
-            runs.append([r[9], 1])
-    cover = [None if r[11] is None else list(r[11:15]) for r in rows]
+    stats = list(map(_ROW_STAT, rows))
     try:
-        detail = _dumps([list(names), [list(st) for st in stats], [r[8] for r in rows]])
-        coverage = None if all(c is None for c in cover) else _dumps(cover)
-        summaries = _dumps(runs)
-    except (TypeError, ValueError):
+        listing = _listing(names, stats)
+        detail = listing + array.array("q", map(_SIZE, rows)).tobytes()
+        runs = _dumps([[sid, len(list(run))] for sid, run in itertools.groupby(map(_SUMMARY, rows))])
+        coverage = None if set(map(_SIDE, rows)) == {None} else \
+            _dumps([None if r[11] is None else r[11:15] for r in rows])
+    except (OverflowError, TypeError, ValueError):
         return None
-    return (max(st[1] for st in stats),
-            (rows[0][0], scope, fingerprint(names, stats), len(rows), sum(r[8] for r in rows),
-             summaries, coverage, detail))
+    return (max(map(operator.itemgetter(1), stats)),
+            (rows[0][0], rows[0][7], hashlib.blake2b(listing, digest_size=16).digest(),
+             len(rows), sum(map(_SIZE, rows)), runs, coverage, detail))
 
 
 def _dumps(value: Any) -> str:
@@ -588,7 +592,14 @@ def fs_now(path: str | None) -> int:
 def _folder_rows(folder: tuple) -> list[tuple]:
     """A `dirs` row as the `files` rows of its files (raises when it does not decode)."""
     dir_id, scope, _, files, _, summaries, coverage, detail = folder
-    names, stats, sizes = json.loads(detail)
+    head = int.from_bytes(detail[:8], "little")
+    if len(detail) != 8 + head + 48 * files:
+        raise ValueError("not a directory record")
+    names = detail[8:8 + head].decode("utf-8", "surrogatepass").split("\0")
+    numbers = array.array("q")
+    numbers.frombytes(detail[8 + head:])
+    stats = [tuple(numbers[5 * i:5 * i + 5]) for i in range(files)]
+    sizes = numbers[5 * files:]
     ids: list = []
     for sid, n in json.loads(summaries):
         if (sid is not None and type(sid) is not int) or type(n) is not int or \
