@@ -9,9 +9,11 @@ the same; anything else is read again. The scope stamp hashes the package versio
 source of every module (a change of a reader or a rule re-judges everything), the options that
 shape a verdict (--deep, the rules selected, their settings) and what the trainer config says
 about the file's dataset, bucket and area. The dataset rules always run over every summary,
-stored or fresh.
+stored or fresh. A whole directory of clean recorded files is one `dirs` row instead: a
+fingerprint of its names and stats, its summaries by run and each file's stat and size; a
+rescan stats its files and compares one digest, and goes file by file only when it differs.
 
-Rows are plain columns and JSON (never pickle): an index that someone else wrote or tampered
+Rows are plain columns, JSON and int64 arrays (never pickle): an index that someone else wrote or tampered
 with can give wrong verdicts for files whose stat it matches, no more; it runs no code, and a
 row that does not decode is read again. Only latents, text embeddings and images in image dirs
 are recorded (the files a scan reads, and images, which the coverage rules need); everything
