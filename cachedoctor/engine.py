@@ -229,7 +229,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             state.recorder.add(folder, entry.path[cut:], stat, scope, meta.size,
                                findings[found_before:], summary, row, entry.path)
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
-                       paths, coverage, state.recorder.take() if scope else None)
+                       paths, coverage,
+                       state.recorder.take(folder, batch.names, files) if scope else None)
 
 
 def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
@@ -563,8 +564,10 @@ def check_all_files(layouts: list[Layout], options: ScanOptions, rules: list[Rul
     # The index's lookups and writes are this process's: the workers only read files.
     try:
         for result in check_files(session.split(batches_, add), options, rules, datasets):
+            # judged first: store forgets which of the batch's files were unchanged
+            findings = session.judged(result.findings)
             session.store(result.records)
-            add(dataclasses.replace(result, findings=session.judged(result.findings)))
+            add(dataclasses.replace(result, findings=findings))
     finally:
         # (a rank of a sharded preflight sees a share of the files: it prunes nothing)
         phase.index = session.close(phase.files,

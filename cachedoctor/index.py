@@ -9,9 +9,11 @@ the same; anything else is read again. The scope stamp hashes the package versio
 source of every module (a change of a reader or a rule re-judges everything), the options that
 shape a verdict (--deep, the rules selected, their settings) and what the trainer config says
 about the file's dataset, bucket and area. The dataset rules always run over every summary,
-stored or fresh.
+stored or fresh. A whole directory of clean recorded files is one `dirs` row instead: a
+fingerprint of its names and stats, its summaries by run and each file's stat and size; a
+rescan stats its files and compares one digest, and goes file by file only when it differs.
 
-Rows are plain columns and JSON (never pickle): an index that someone else wrote or tampered
+Rows are plain columns, JSON and int64 arrays (never pickle): an index that someone else wrote or tampered
 with can give wrong verdicts for files whose stat it matches, no more; it runs no code, and a
 row that does not decode is read again. Only latents, text embeddings and images in image dirs
 are recorded (the files a scan reads, and images, which the coverage rules need); everything
@@ -32,14 +34,18 @@ file's record (`record`), so SQLite is never written from many processes of one 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
+import marshal
 import operator
 import os
 import secrets
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -53,10 +59,10 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
 from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, excluded
-from cachedoctor.summary import CoverageRow, FileSummary, encode
+from cachedoctor.summary import CoverageRow, FileSummary, Group, encode
 
 NAME = "index.sqlite"
-SCHEMA = "5"
+SCHEMA = "6"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
 COMMIT_EVERY = 16384  # rows per write transaction
@@ -72,6 +78,10 @@ CREATE TABLE IF NOT EXISTS files (
     side INTEGER, key TEXT, flag INTEGER, note TEXT, PRIMARY KEY (dir, name)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT);
+CREATE TABLE IF NOT EXISTS dirs (
+    dir INTEGER PRIMARY KEY, scope INTEGER, fp BLOB, files INTEGER, bytes INTEGER,
+    summaries TEXT, coverage TEXT, detail BLOB
+);
 CREATE TABLE IF NOT EXISTS scans (
     id TEXT PRIMARY KEY, started_ns INTEGER, finished_ns INTEGER, files INTEGER, reused INTEGER
 );
@@ -95,10 +105,38 @@ def text_id(text: str | bytes) -> int:
 
 class Records(NamedTuple):
     """What a worker sends back for the index: a row per file read (the `files` table's
-    columns) and the texts those rows name that it has not sent before."""
+    columns) and the texts those rows name that it has not sent before; or, for a batch
+    that may be a whole directory of clean recorded files, its `dirs` row instead of the
+    rows (one insert, not a thousand; the parent turns it back into rows when the batch was
+    not a whole directory)."""
 
     rows: list[tuple]
     texts: list[tuple[int, str]]
+    folder: tuple | None = None  # (newest mtime_ns, the `dirs` row)
+
+
+_STAT_FIELDS = operator.attrgetter("st_size", "st_mtime_ns", "st_ino", "st_dev", "st_ctime_ns")
+_MTIME = operator.attrgetter("st_mtime")
+_GROUP = operator.attrgetter(*Group._fields)  # a summary's Group, as summary.encode counts it
+
+
+def _listing(names: Any, stats: Iterable[tuple]) -> bytes:
+    """A directory's names ("\\0"-joined, after their length) and stats (int64s), as bytes;
+    OverflowError for an inode or a time beyond 63 bits."""
+    listed = "\0".join(names).encode("utf-8", "surrogatepass")
+    return b"".join((len(listed).to_bytes(8, "little"), listed,
+                     array.array("q", itertools.chain.from_iterable(stats)).tobytes()))
+
+
+def fingerprint(names: Any, stats: Iterable[tuple]) -> bytes:
+    """One digest of a directory's names (in walk order) and their stats: a rescan of an
+    unchanged directory compares it, not each file's row (C loops, no Python per file)."""
+    stats = list(stats)
+    try:
+        listing = _listing(names, stats)
+    except OverflowError:  # never a `dirs` row's: the directory goes file by file
+        listing = repr((list(names), stats)).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(listing, digest_size=16).digest()
 
 
 class Recorder:
@@ -151,10 +189,41 @@ class Recorder:
         except (TypeError, ValueError, RecursionError):
             pass
 
-    def take(self) -> Records:
-        taken = Records(self.rows, self.texts)
+    def take(self, directory: bytes = b"", names: tuple[str, ...] = (), files: int = -1) -> Records:
+        """The batch's records: its `dirs` row when `names` may be its whole directory
+        (fewer than WHOLE_DIR) and every one of them was recorded without a finding."""
+        rows, texts = self.rows, self.texts
         self.rows, self.texts = [], []
-        return taken
+        folder = None
+        if 0 < len(rows) == len(names) == files < WHOLE_DIR:
+            # (one row per name, in order: every entry of the batch was recorded)
+            folder = folder_row(rows, names)
+        if folder is not None:
+            return Records([], texts, folder)
+        return Records(rows, texts)
+
+_SUMMARY, _FINDINGS, _SIDE, _SCOPE, _SIZE = (operator.itemgetter(i) for i in (9, 10, 11, 7, 8))
+_ROW_STAT = operator.itemgetter(2, 3, 4, 5, 6)
+
+
+def folder_row(rows: list[tuple], names: Any) -> tuple | None:
+    """The `dirs` row of a directory whose files are `rows` (`files` rows, in the order of
+    `names`, none with a finding), with the newest mtime_ns: None when it has none. Its detail
+    is the fingerprinted listing and each file's size, as bytes (C loops only)."""
+    if set(map(_FINDINGS, rows)) != {None} or len(set(map(_SCOPE, rows))) != 1:
+        return None
+    stats = list(map(_ROW_STAT, rows))
+    try:
+        listing = _listing(names, stats)
+        detail = listing + array.array("q", map(_SIZE, rows)).tobytes()
+        runs = _dumps([[sid, len(list(run))] for sid, run in itertools.groupby(map(_SUMMARY, rows))])
+        coverage = None if set(map(_SIDE, rows)) == {None} else \
+            _dumps([None if r[11] is None else r[11:15] for r in rows])
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return (max(map(operator.itemgetter(1), stats)),
+            (rows[0][0], rows[0][7], hashlib.blake2b(listing, digest_size=16).digest(),
+             len(rows), sum(map(_SIZE, rows)), runs, coverage, detail))
 
 
 def _dumps(value: Any) -> str:
@@ -502,10 +571,62 @@ def stat_key(path: str) -> _STAT | None:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
+def fs_now(path: str | None) -> int:
+    """Now, by the clock that stamps files. The kernel stamps a change with a clock that lags
+    time.time_ns() by up to a tick (4-10 ms), truncated to the file system's granularity, so
+    a file changed just after time.time_ns() can look older than it (and --changed-since
+    would leave it out). Touching the index file (stat'ed first: Linux then stamps its change
+    finely and no later stamp is older) and reading its mtime asks the clock itself; without
+    an index file, Linux's coarse clock is the floor of its stamps."""
+    if path is not None:
+        with contextlib.suppress(OSError, NotImplementedError):
+            os.lstat(path)
+            os.utime(path, follow_symlinks=False)
+            return os.lstat(path).st_mtime_ns
+    now = time.time_ns()
+    coarse = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswith("linux") else None)
+    if coarse is not None:
+        with contextlib.suppress(OSError):
+            now = min(now, time.clock_gettime_ns(coarse))
+    return now
+
+
+def _folder_rows(folder: tuple) -> list[tuple]:
+    """A `dirs` row as the `files` rows of its files (raises when it does not decode)."""
+    dir_id, scope, _, files, _, summaries, coverage, detail = folder
+    head = int.from_bytes(detail[:8], "little")
+    if len(detail) != 8 + head + 48 * files:
+        raise ValueError("not a directory record")
+    names = detail[8:8 + head].decode("utf-8", "surrogatepass").split("\0")
+    numbers = array.array("q")
+    numbers.frombytes(detail[8 + head:])
+    stats = [tuple(numbers[5 * i:5 * i + 5]) for i in range(files)]
+    sizes = numbers[5 * files:]
+    ids: list = []
+    for sid, n in json.loads(summaries):
+        if (sid is not None and type(sid) is not int) or type(n) is not int or \
+                not 0 < n <= files - len(ids):
+            raise ValueError("not a run")
+        ids.extend([sid] * n)
+    cover = json.loads(coverage) if coverage is not None else [None] * len(names)
+    if not len(names) == len(stats) == len(sizes) == len(ids) == len(cover) == files:
+        raise ValueError("not a directory record")
+    rows = []
+    for name, st, size, sid, cov in zip(names, stats, sizes, ids, cover, strict=True):
+        if type(name) is not str or type(size) is not int or len(st) != 5:
+            raise ValueError("not a directory record")
+        rows.append((dir_id, name.encode(FS, "surrogateescape"), *st, scope, size, sid, None,
+                     *(cov if cov is not None else (None, None, None, None))))
+    return rows
+
+
 class Session:
     """One scan's use of an index (`db`, or none: then only --changed-since applies): splits
     each batch into the files it can reuse and those to read, and records what was read.
 
+    A directory of clean recorded files has one `dirs` row: a fingerprint of its names and
+    stats and its summaries by run. A rescan stats its files and compares one digest; only a
+    directory that changed is looked at file by file (its row's detail, and `files` rows).
     Only files that have a row are stat'ed here (a first scan stats nothing more than a scan
     without the index: the workers stat each file they record, before reading it)."""
 
@@ -515,22 +636,26 @@ class Session:
         self.db, self.where, self.stamp = db, where, stamp
         self.exclude, self.keep_paths, self.since = exclude, keep_paths, since
         self.notices = notices
-        self.started = time.time_ns()
+        self.started = fs_now(where if db is not None else None)
         self.scan_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(2)
         self.reused = 0
         self.unjudged = 0  # files unchanged since --changed-since: their file findings left out
         self.old: set[str] = set()  # files being read that did not change since --changed-since
         self.rows: list[tuple] = []
+        self.folders: list[tuple] = []  # `dirs` rows to write
+        self.stale: list[int] = []  # directories read whole whose `dirs` row is out of date
+        self.whole: set[int] = set()  # directories whose every file went to the readers
         self.new_texts: list[tuple[int, str | bytes]] = []
         self.dirs: dict[int, str] = {}  # directory ids met (for --changed-since)
         self.texts: dict[int, str] = {}  # id -> text, read back
         self.templates: dict[int, tuple] = {}  # summary id -> decoded (None: undecodable)
         self.found: dict[int, list] = {}  # findings id -> decoded rows
-        self.directory: str | None = None  # the directory of the last lookup
+        self.directory: str | None = None  # the directory of the last batch
         self.empty = False  # no row at all (a first scan): nothing to look up
         if db is not None:
             try:
-                self.empty = db.execute("SELECT 1 FROM files LIMIT 1").fetchone() is None
+                self.empty = db.execute("SELECT 1 FROM files UNION ALL SELECT 1 FROM dirs "
+                                        "LIMIT 1").fetchone() is None
             except sqlite3.Error as exc:
                 self._drop(f"cannot read the index {where} ({exc}): reading every file")
 
@@ -550,7 +675,15 @@ class Session:
         exclude = self.exclude
         names = [n for n in batch.names if not excluded(head + n, exclude)] if exclude \
             else batch.names
-        rows = self._lookup(batch.directory, names)  # (only recordable files have rows)
+        first = batch.directory != self.directory
+        self.directory = batch.directory
+        # the whole directory: its first batch, not a full one, nothing excluded
+        whole = first and len(batch.names) < WHOLE_DIR and len(names) == len(batch.names)
+        folder_id = text_id(os.fsencode(batch.directory))
+        folder = self._folder(folder_id) if whole and names else None
+        if folder is not None and self.since is None and self._bulk(folder, batch, names, reused):
+            return [], reused
+        rows = self._lookup(batch.directory, names, first, folder)  # (only recordable files)
         scope = text_id(self.stamp(batch)) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
@@ -572,7 +705,8 @@ class Session:
                 old = max(st.st_mtime_ns, st.st_ctime_ns) < since
                 self.unjudged += old
             if row is not None and row[6] == scope and row[1:6] == (
-                    st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns):
+                    st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) and \
+                    type(row[7]) is int:
                 template = templates.get(row[8])
                 if template is not None and row[9] is None and row[10] is None:
                     # the common case, inline: a clean file whose summary text is decoded
@@ -601,7 +735,107 @@ class Session:
                 self.old.add(path)
         if summaries:
             reused.summaries.append(encode(batch.dataset, summaries))
+        if whole and len(keep) == len(names):
+            self.whole.add(folder_id)
+        elif whole and not keep and since is None and self.db is not None:
+            self._refresh(folder_id, names, rows)
         return keep, reused
+
+    def _refresh(self, folder_id: int, names: Any, rows: dict[str, tuple]) -> None:
+        """A new `dirs` row for a directory whose every file was reused one by one (its row
+        was out of date, or missing): the next rescan takes the fast path again."""
+        ordered = [(folder_id, n.encode(FS, "surrogateescape"), *rows[n][1:]) for n in names]
+        if all(r[10] is None and r[3] < self.started - RACY_NS for r in ordered):
+            made = folder_row(ordered, names)
+            if made is not None:
+                self.folders.append(made[1])
+
+    def _folder(self, folder_id: int) -> tuple | None:
+        """The directory's `dirs` row, if any."""
+        if self.db is None or self.empty:
+            return None
+        try:
+            return self.db.execute("SELECT dir, scope, fp, files, bytes, summaries, coverage, "
+                                   "detail FROM dirs WHERE dir = ?", (folder_id,)).fetchone()
+        except sqlite3.Error as exc:
+            self._drop(f"cannot read the index {self.where} ({exc}): reading every file")
+            return None
+
+    def _bulk(self, folder: tuple, batch: Batch, names: Any, reused: Reused) -> bool:
+        """Every file of an unchanged directory from its `dirs` row: its stats, one digest
+        compared, its summaries made by run. False when anything differs or does not decode."""
+        _, scope, fp, files, nbytes, runs_text, coverage, _ = folder
+        if files != len(names) or type(nbytes) is not int or \
+                scope != text_id(self.stamp(batch)):
+            return False
+        head = os.path.join(batch.directory, "")
+        paths = [head + n for n in names]
+        try:
+            stats = list(map(os.stat, paths))
+        except OSError:
+            return False
+        if fingerprint(names, map(_STAT_FIELDS, stats)) != fp:
+            return False
+        mtimes = list(map(_MTIME, stats))
+        summaries: list[tuple] = []
+        rows: list[CoverageRow] = []
+        counts: dict[tuple, int] = {}
+        try:
+            at = 0
+            for sid, n in json.loads(runs_text):
+                if type(n) is not int or n < 1:
+                    raise ValueError("not a run")
+                if sid is not None:
+                    before, after = self._template(sid)
+                    group = _GROUP(FileSummary("", *before, 0.0, *after))
+                    counts[group] = counts.get(group, 0) + n
+                    summaries.extend([(p, *before, m, *after) for p, m in
+                                      zip(paths[at:at + n], mtimes[at:at + n], strict=True)])
+                at += n
+            if at != files:
+                raise ValueError("runs do not cover the directory")
+            if coverage is not None:
+                cover = json.loads(coverage)
+                if len(cover) != files:
+                    raise ValueError("not a coverage list")
+                dataset = batch.dataset or ""
+                for row, path, mtime in zip(cover, paths, mtimes, strict=True):
+                    if row is not None:
+                        side, key, flag, note = row
+                        if type(side) is not int or type(flag) is not int or \
+                                not all(v is None or type(v) is str for v in (key, note)):
+                            raise ValueError("not a coverage row")
+                        rows.append(CoverageRow(dataset, side, key, path, mtime, flag, note))
+            if summaries:  # summary.encode's blob, its tally made by run
+                reused.summaries.append((batch.dataset or "",
+                                         marshal.dumps((list(counts.items()), summaries))))
+        except Exception:  # written by something else: file by file
+            return False
+        reused.files, reused.bytes, reused.coverage = files, nbytes, rows
+        if self.keep_paths:
+            reused.paths = paths
+        return True
+
+    def _template(self, sid: int) -> tuple:
+        template = self.templates.get(sid)
+        if template is None:
+            if sid not in self.texts:
+                self._fetch([sid])
+            template = self.templates[sid] = _template(self.texts[sid])
+        return template
+
+    def _fetch(self, ids: list[int]) -> None:
+        """The texts of `ids` into self.texts."""
+        assert self.db is not None
+        if len(self.texts) > MEMO:
+            self.texts.clear()
+            self.templates.clear()
+            self.found.clear()
+        ids = sorted(ids)
+        for start in range(0, len(ids), LOOKUP_CHUNK):
+            chunk = ids[start:start + LOOKUP_CHUNK]
+            self.texts.update(self.db.execute(
+                f"SELECT id, text FROM texts WHERE id IN ({','.join('?' * len(chunk))})", chunk))
 
     def _verdict(self, row: tuple, path: str, dataset: str, mtime: float
                  ) -> tuple[list[Finding], FileSummary | None, CoverageRow | None] | None:
@@ -629,20 +863,26 @@ class Session:
             return None
         return found, summary, coverage
 
-    def _lookup(self, directory: str, names: list[str]) -> dict[str, tuple]:
+    def _lookup(self, directory: str, names: Any, first: bool, folder: tuple | None
+                ) -> dict[str, tuple]:
         """The rows of `names` in `directory` (and the texts they name, into self.texts): the
-        whole directory's rows at once when this is its first batch and not a full one (a
-        big directory comes in several batches: those ask for their names)."""
+        `dirs` row's files, then the `files` rows (newer), the whole directory's at once when
+        this is its first batch and not a full one (a big directory comes in several batches:
+        those ask for their names)."""
         if self.db is None or not names or self.empty:
             return {}
         found = {}
-        folder = text_id(os.fsencode(directory))
+        if folder is not None:
+            with contextlib.suppress(Exception):  # written by something else: files rows only
+                found = {row[1].decode(FS, "surrogateescape"): row[1:]
+                         for row in _folder_rows(folder)}
+        folder_id = text_id(os.fsencode(directory))
         columns = ("SELECT name, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
                    "findings, side, key, flag, note FROM files WHERE dir = ?")
         try:
-            if directory != self.directory and len(names) < WHOLE_DIR:
+            if first and len(names) < WHOLE_DIR:
                 wanted = set(names)
-                for row in self.db.execute(columns, (folder,)):
+                for row in self.db.execute(columns, (folder_id,)):
                     name = row[0].decode(FS, "surrogateescape")
                     if name in wanted:
                         found[name] = row
@@ -652,22 +892,12 @@ class Session:
                              for n in names[start:start + LOOKUP_CHUNK]]
                     marks = ",".join("?" * len(chunk))
                     for row in self.db.execute(f"{columns} AND name IN ({marks})",
-                                               (folder, *chunk)):
+                                               (folder_id, *chunk)):
                         found[row[0].decode(FS, "surrogateescape")] = row
-            self.directory = directory
             wanted = {i for row in found.values() for i in (row[8], row[9])
                       if i is not None and i not in self.texts}
             if wanted:
-                if len(self.texts) > MEMO:
-                    self.texts.clear()
-                    self.templates.clear()
-                    self.found.clear()
-                ids = sorted(wanted)
-                for start in range(0, len(ids), LOOKUP_CHUNK):
-                    chunk = ids[start:start + LOOKUP_CHUNK]
-                    self.texts.update(self.db.execute(
-                        f"SELECT id, text FROM texts WHERE id IN ({','.join('?' * len(chunk))})",
-                        chunk))
+                self._fetch(list(wanted))
         except (sqlite3.Error, TypeError, ValueError) as exc:
             self._drop(f"cannot read the index {self.where} ({exc}): reading every file")
             return {}
@@ -675,7 +905,7 @@ class Session:
 
     def judged(self, findings: list[Finding]) -> list[Finding]:
         """The file findings of a batch just read, without those of files that did not change
-        since --changed-since."""
+        since --changed-since (call it before `store`, which forgets them)."""
         if not self.old:
             return findings
         return [f for f in findings if f.path not in self.old]
@@ -685,30 +915,55 @@ class Session:
         modified less than RACY_NS before the scan began is not recorded."""
         if records is None:
             return
+        racy = self.started - RACY_NS
+        rows = records.rows
+        if records.folder is not None:
+            newest, folder = records.folder
+            if self.db is not None and folder[0] in self.whole and newest < racy and not self.old:
+                self.whole.discard(folder[0])
+                self.folders.append(folder)
+                self.new_texts.extend(records.texts)
+                self._maybe_flush()
+                return
+            rows = _folder_rows(folder)  # made by our worker: it decodes
         if self.old:
             dirs = {i: os.fsdecode(t) for i, t in records.texts if isinstance(t, bytes)}
             dirs.update(self.dirs)
             self.dirs = dirs
-            for row in records.rows:
+            for row in rows:
                 if row[0] in dirs:
                     self.old.discard(os.path.join(dirs[row[0]], os.fsdecode(row[1])))
         if self.db is None:
             return
-        racy = self.started - RACY_NS
-        self.rows.extend(row for row in records.rows if row[3] < racy)
+        if rows and rows[0][0] in self.whole:  # read whole, but not clean: no `dirs` row
+            self.whole.discard(rows[0][0])
+            self.stale.append(rows[0][0])
+        self.rows.extend(row for row in rows if row[3] < racy)
         self.new_texts.extend(records.texts)
-        if len(self.rows) >= COMMIT_EVERY:
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if len(self.rows) + WHOLE_DIR * len(self.folders) >= COMMIT_EVERY:
             self._flush()
 
     def _flush(self) -> None:
         rows, self.rows = self.rows, []
+        folders, self.folders = self.folders, []
+        stale, self.stale = self.stale, []
         texts, self.new_texts = self.new_texts, []
-        if not rows or self.db is None:
+        if not (rows or folders or stale) or self.db is None:
             return
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 self.db.executemany("INSERT OR IGNORE INTO texts VALUES (?, ?)", texts)
+                if folders:  # a directory's `dirs` row replaces its `files` rows
+                    self.db.executemany("DELETE FROM files WHERE dir = ?",
+                                        [(f[0],) for f in folders])
+                    self.db.executemany("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?,?,?,?)",
+                                        folders)
+                if stale:
+                    self.db.executemany("DELETE FROM dirs WHERE dir = ?", [(d,) for d in stale])
                 rows.sort(key=_KEY)  # in key order: half the b-tree work of the walk's order
                 self.db.executemany("INSERT OR REPLACE INTO files VALUES "
                                     "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
@@ -749,22 +1004,38 @@ class Session:
         return stats
 
     def _prune(self, files: int) -> None:
-        """Rows of files that are gone, once they outnumber the files a scan saw (an index
-        shared by scans of other targets keeps theirs: they still exist), and texts no row
-        names."""
+        """Rows of files and directories that are gone, once they outnumber the files a scan
+        saw (an index shared by scans of other targets keeps theirs: they still exist), and
+        texts no row names."""
         assert self.db is not None
-        (rows,) = self.db.execute("SELECT count(*) FROM files").fetchone()
+        (rows,) = self.db.execute("SELECT (SELECT count(*) FROM files) + "
+                                  "(SELECT coalesce(sum(files), 0) FROM dirs)").fetchone()
         if rows <= 2 * files + 10_000:
             return
         gone = [(d, n) for d, n, path in self.db.execute(
                     "SELECT f.dir, f.name, t.text FROM files f LEFT JOIN texts t ON t.id = f.dir")
                 if not isinstance(path, bytes)
                 or not os.path.lexists(os.path.join(os.fsdecode(path), os.fsdecode(n)))]
+        folders = list(self.db.execute(
+            "SELECT d.dir, t.text, d.scope, d.summaries FROM dirs d LEFT JOIN texts t ON t.id = d.dir"))
+        named: set[int] = set()
+        gone_dirs = []
+        for folder_id, path, scope, runs in folders:
+            if not isinstance(path, bytes) or not os.path.isdir(os.fsdecode(path)):
+                gone_dirs.append((folder_id,))
+                continue
+            named.update((folder_id, scope))
+            with contextlib.suppress(Exception):
+                named.update(sid for sid, _ in json.loads(runs) if type(sid) is int)
         self.db.execute("BEGIN IMMEDIATE")
         self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", gone)
+        self.db.executemany("DELETE FROM dirs WHERE dir = ?", gone_dirs)
+        self.db.execute("CREATE TEMP TABLE IF NOT EXISTS named (id INTEGER PRIMARY KEY)")
+        self.db.execute("DELETE FROM named")
+        self.db.executemany("INSERT OR IGNORE INTO named VALUES (?)", [(i,) for i in named])
         self.db.execute("DELETE FROM texts WHERE id NOT IN (SELECT scope FROM files UNION "
                         "SELECT summary FROM files UNION SELECT findings FROM files UNION "
-                        "SELECT dir FROM files)")
+                        "SELECT dir FROM files UNION SELECT id FROM named)")
         self.db.execute("COMMIT")
 
 

@@ -359,3 +359,114 @@ def test_a_report_with_index_figures_pickles(demo: Path) -> None:
 
     report = scan(demo)
     assert pickle.loads(pickle.dumps(report)).index == report.index
+
+
+def test_the_start_of_a_scan_is_read_from_the_clock_that_stamps_files(tmp_path: Path) -> None:
+    """--changed-since RUN compares stamps with the run's start: a file changed just after it
+    must never look older. time.time_ns() fails this (the kernel stamps with a coarser clock,
+    up to a tick behind): the cause of a flaky test_changed_since_... in full-suite runs."""
+    probe = tmp_path / index.NAME
+    probe.write_bytes(b"")
+    for i in range(200):
+        for start in (index.fs_now(str(probe)), index.fs_now(None)):
+            path = tmp_path / f"changed-{i}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # no fstat: a coarse stamp
+            os.write(fd, b"x")
+            os.close(fd)
+            st = path.stat()
+            assert max(st.st_mtime_ns, st.st_ctime_ns) >= start
+            path.unlink()
+
+
+def _latents(root: Path, folders: int = 3, per: int = 20) -> Path:
+    """A bare cache of clean latents (what the per-directory fast path is for); the last
+    folder's last two latents of another shape, so that the dataset rules find something."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        from index_rescan import latent_bytes
+    finally:
+        sys.path.pop(0)
+    import struct
+
+    blob = latent_bytes()
+    header = json.dumps({"latents": {"dtype": "F16", "shape": [4, 16, 16],
+                                     "data_offsets": [0, 4 * 16 * 16 * 2]}}).encode()
+    header += b" " * (-len(header) % 8)
+    other = struct.pack("<Q", len(header)) + header + bytes(4 * 16 * 16 * 2)
+    for f in range(folders):
+        (root / "latents" / f"{f:02d}").mkdir(parents=True)
+        for i in range(per):
+            odd = f == folders - 1 and i >= per - 2
+            (root / "latents" / f"{f:02d}" / f"img_{f}_{i:03d}.safetensors").write_bytes(
+                other if odd else blob)
+    _age(root)
+    return root
+
+
+def _counts(root: Path) -> tuple[int, int]:
+    with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
+        return (db.execute("SELECT count(*) FROM dirs").fetchone()[0],
+                db.execute("SELECT count(*) FROM files").fetchone()[0])
+
+
+@pytest.mark.parametrize("change", [None, _touch, _same_size_new_inode, _truncate, "add", "delete"])
+def test_a_directory_of_clean_files_is_one_row_and_any_change_is_read_again(
+        tmp_path: Path, change) -> None:
+    root = _latents(tmp_path / "cache")
+    first = scan(root)
+    assert _counts(root) == (3, 0)  # one row per directory, no row per file
+    target = root / "latents" / "01" / "img_1_005.safetensors"
+    if change == "add":
+        shutil.copy2(target, target.with_name("img_1_999.safetensors"))
+    elif change == "delete":
+        target.unlink()
+    elif change is not None:
+        change(target)
+    after = scan(root)
+    assert same(after, fresh(root))
+    if change is _truncate:
+        assert any(f.code == "CD101" and f.path == str(target) for f in after.findings)
+    if change is None:
+        assert same(after, first) and after.index["reused"] == 60
+    elif change == "delete":
+        assert after.index["reused"] == 59 and after.index["read"] == 0
+    else:  # the changed or new file is read again, the others reused
+        assert after.index["read"] == 1 and after.files == after.index["reused"] + 1
+    again = scan(root)  # (a file modified in the last RACY_NS is not recorded: read again)
+    assert same(again, after) and again.index["read"] == (change is _truncate)
+
+
+def test_a_changed_directory_gets_its_fast_row_back(tmp_path: Path) -> None:
+    root = _latents(tmp_path / "cache")
+    scan(root)
+    _touch(root / "latents" / "00" / "img_0_003.safetensors")
+    assert scan(root).index["read"] == 1
+    assert _counts(root) == (3, 1)  # the file read again has a row of its own
+    assert scan(root).index["reused"] == 60  # file by file: the directory's row is made anew
+    assert _counts(root) == (3, 0)
+
+
+def test_a_tampered_directory_row_is_read_file_by_file_or_again(tmp_path: Path) -> None:
+    root = _latents(tmp_path / "cache")
+    expected = fresh(root)
+    scan(root)
+    with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
+        db.execute("UPDATE dirs SET summaries = '[[1, \"x\"]]', coverage = '[1]', fp = x'00'")
+    assert same(scan(root), expected)
+    with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
+        db.execute("UPDATE dirs SET summaries = '[[[1], 20], [1, 1000000000000]]', fp = x'00'")
+    assert same(scan(root), expected)
+    with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
+        db.execute("UPDATE dirs SET detail = 'cos\\nsystem\\n', fp = x'00'")
+    tampered = scan(root)
+    assert same(tampered, expected) and tampered.index["reused"] == 0
+
+
+def test_changed_since_in_a_directory_of_clean_files(tmp_path: Path) -> None:
+    root = _latents(tmp_path / "cache")
+    first = scan(root)
+    _truncate(root / "latents" / "02" / "img_2_000.safetensors")
+    since = scan(root, changed_since=first.index["scan"])
+    assert since.index["judged"] == 1
+    assert {f.path for f in since.findings if f.code == "CD101"} == \
+        {str(root / "latents" / "02" / "img_2_000.safetensors")}
