@@ -21,12 +21,14 @@ that set the speed targets (README, "Speed") (`--layout dict`), or a bare
 tensor as SimpleTuner writes it (`--layout bare`), which torch.load reads about 1.7x faster.
 
     python benchmarks/scan_speed.py [--files N] [--layout dict|bare] [--dir DIR] [--keep]
-                                    [--links K] [--repeats R]
+                                    [--links K] [--repeats R] [--scan-arg ARG ...]
 
 `--links K` scans K times as many files without K times the disk: every built file gets K-1
 more names (hard links, in K-1 copies of the cache folders; the loops read them all too). It
 shows where the ratios go at the scale the scan is for, where the start-up of a process is
 spread over a million files, not 20,000. `--repeats` sets the best-of count (default 5).
+`--scan-arg=--no-index` keeps every round a first scan: with the index, rounds after the first
+reuse its verdicts and time a rescan.
 """
 
 from __future__ import annotations
@@ -139,21 +141,21 @@ def timed_load_script(paths_file: str, jobs: int) -> float:
     return time.perf_counter() - start
 
 
-def timed_scan(targets: list[str], jobs: int) -> tuple[float, dict]:
+def timed_scan(targets: list[str], jobs: int, extra: list[str]) -> tuple[float, dict]:
     cmd = [sys.executable, "-m", "cachedoctor", "scan", *targets, "--format", "json", "-j", str(jobs),
-           "--fail-on", "never"]
+           "--fail-on", "never", *extra]
     start = time.perf_counter()
     out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env=SCAN_ENV).stdout
     return time.perf_counter() - start, json.loads(out)
 
 
-def peak_rss_kib(targets: list[str], jobs: int) -> int:
+def peak_rss_kib(targets: list[str], jobs: int, extra: list[str]) -> int:
     """Peak RSS (KiB) of the largest process of a scan (its main process or a worker): a probe
     process runs the scan as its only child, then reads RUSAGE_CHILDREN."""
     probe = (
         "import resource, subprocess, sys\n"
         f"subprocess.run([sys.executable, '-m', 'cachedoctor', 'scan', *{targets!r}, '--format', 'json',"
-        f" '-j', '{jobs}', '--fail-on', 'never'], stdout=subprocess.DEVNULL, check=True)\n"
+        f" '-j', '{jobs}', '--fail-on', 'never', *{extra!r}], stdout=subprocess.DEVNULL, check=True)\n"
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
@@ -169,6 +171,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     parser.add_argument("--links", type=int, default=1, help="K names per built file (hard links)")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="best of R (default 5)")
+    parser.add_argument("--scan-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for every scan; --scan-arg=--no-index times a first "
+                             "scan every round (later rounds would reuse the index's verdicts)")
     parser.add_argument("--load-script", nargs=2, metavar=("PATHS_FILE", "JOBS"),
                         help=argparse.SUPPRESS)  # the fresh-process baseline runs this file
     args = parser.parse_args()
@@ -192,7 +197,7 @@ def main() -> None:
         with open(listing, "w") as f:
             f.write("\n".join(paths))
         empty = tempfile.mkdtemp(prefix="cachedoctor-bench-empty-")
-        startup = min(timed_scan([empty], 1)[0] for _ in range(args.repeats))
+        startup = min(timed_scan([empty], 1, args.scan_arg)[0] for _ in range(args.repeats))
         os.rmdir(empty)
         print(f"start-up (scan of an empty dir): {startup:.2f} s")
         rows = []
@@ -200,7 +205,7 @@ def main() -> None:
             # best of --repeats for each, interleaved, so a busy moment of the machine hits all three
             scan_s = load_s = tail_s = script_s = float("inf")
             for _ in range(args.repeats):
-                elapsed, report = timed_scan(targets, jobs)
+                elapsed, report = timed_scan(targets, jobs, args.scan_arg)
                 assert report["summary"]["files"] == len(paths), report["summary"]
                 scan_s = min(scan_s, elapsed)
                 load_s = min(load_s, timed_loop(_torch_load, paths, jobs))
@@ -220,14 +225,14 @@ def main() -> None:
                   f"{script_s:.2f} s, scan {scan_s:.2f} s: {script_s / scan_s:.1f}x")
             print(f"      findings on the clean cache: {counts}")
         part = [os.path.join(root, CACHES[0], "part000")]
-        small, full = peak_rss_kib(part, cores), peak_rss_kib(targets, cores)
+        small, full = peak_rss_kib(part, cores, args.scan_arg), peak_rss_kib(targets, cores, args.scan_arg)
         in_part = len(os.listdir(part[0]))
         # a SimpleTuner-style flat cache: every file of one shape in one folder (both shapes in
         # one folder would be CD303, whose finding lists the odd files)
         one_shape = [p for p in paths if os.sep + CACHES[0] in p]
         flat = _flat_links(root, one_shape)
         try:
-            flat_rss = peak_rss_kib([flat], cores)
+            flat_rss = peak_rss_kib([flat], cores, args.scan_arg)
         finally:
             shutil.rmtree(flat, ignore_errors=True)
         print(f"peak RSS of the largest scan process: {small / 1024:.0f} MiB for one folder "
