@@ -35,6 +35,7 @@ from cachedoctor.inventory import LATENT, TEXT, Batch, Entry, batches
 from cachedoctor.layouts import Dataset, Layout, resolve
 from cachedoctor.layouts.base import ANY_DEVICE, FOLDERS
 from cachedoctor.options import ScanOptions
+from cachedoctor.remote import SCHEME as REMOTE
 from cachedoctor.remote import is_remote
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.summary import (
@@ -77,7 +78,7 @@ def read_entry(entry: Entry, deep: bool, templates: Templates | None = None) -> 
     is in the FileMeta."""
     if entry.error:
         return FileMeta(entry.path, 0, UNREADABLE, errors=(entry.error,))
-    if is_remote(entry.path):  # an S3 object: its windows came with its batch (prefetch)
+    if entry.path.startswith(REMOTE):  # an S3 object: its windows came with its batch (prefetch)
         from cachedoctor.remote import reader
 
         return reader.read_entry(entry, deep)
@@ -175,7 +176,7 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
     beside: bool | None = None  # whether images belong in this cache folder: asked once
-    for entry, given in sharded.expand(batch.entries(options.exclude), deep):
+    for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
         files += 1
         found_before = len(findings)
         stat = None

@@ -10,6 +10,7 @@ once the shard is closed), an interrupted write.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 
@@ -27,9 +28,17 @@ from cachedoctor.inventory import LATENT, METADATA, OTHER, TEMP, TEXT, Entry
 SQLITE_SIDE_FILES = (INDEX_NAME + "-journal", INDEX_NAME + "-wal", INDEX_NAME + "-shm")
 
 
-def expand(entries: Iterable[Entry], deep: bool) -> Iterator[tuple[Entry, FileMeta | None]]:
+def expand(entries: Iterable[Entry], deep: bool, directory: str
+           ) -> Iterator[tuple[Entry, FileMeta | None]]:
     """(entry, its FileMeta) for the parts of a sharded cache, (entry, None) for every other
-    file (its reader is the caller's)."""
+    file (its reader is the caller's). `entries` are files of `directory`: one without a
+    metadata.db (nearly every one) costs one stat, not a look at each name."""
+    if index_of(directory) is None:
+        return zip(entries, itertools.repeat(None))
+    return _expand(entries, deep)
+
+
+def _expand(entries: Iterable[Entry], deep: bool) -> Iterator[tuple[Entry, FileMeta | None]]:
     for entry in entries:
         if entry.error is not None:
             yield entry, None
