@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from verify_helpers import digest, pairs, rewrite
+from verify_helpers import BUILDERS, bucket_of, digest, pairs, replace_image, rewrite
 
 from cachedoctor.fixtures.projects import kohya, simpletuner
 from cachedoctor.images import load
@@ -132,3 +132,60 @@ def test_the_cli_on_cuda_names_a_planted_defect(vaes, tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["device"] == "cuda" and data["images_per_second"] > 0
     assert [(f["code"], f["path"]) for f in data["findings"]] == [("CD603", str(entry))]
+
+
+# -- each planted defect, with the diffusers VAE, in each trainer's layout -----------------------
+
+SCALED = {"simpletuner", "ai-toolkit"}  # they store latent * scaling_factor (0.13025 here)
+
+
+def flipped_latent(vae_dir: Path, image: Path) -> torch.Tensor:
+    """The posterior mean of the image mirrored left to right."""
+    vae = autoencoder_kl().from_pretrained(vae_dir).eval()
+    x = load(str(image)).float().flip(-1)[None] / 127.5 - 1.0
+    with torch.no_grad():
+        return vae.encode(x).latent_dist.mean[0]
+
+
+@pytest.fixture(params=list(BUILDERS))
+def encoded_project(request, vaes, tmp_path: Path):
+    """A trainer's project whose every entry is the tiny VAE's latent, stored as it stores it."""
+    project = BUILDERS[request.param](tmp_path / request.param)
+    scale = 0.13025 if request.param in SCALED else 1.0
+    cache_with(project, vaes[0], scale)
+    return project, scale
+
+
+def test_each_layout_verifies_clean_and_names_each_defect(vaes, encoded_project) -> None:
+    project, scale = encoded_project
+    assert verify(project, vaes[0]).findings == []
+    ordered = sorted(pairs(project).items())
+    # mirrored: one entry is the latent of its image flipped
+    flipped, image = ordered[4]
+    latent = flipped_latent(vaes[0], image) * scale
+    rewrite(flipped, lambda _: latent)
+    # swapped: two entries of one bucket hold each other's latents
+    by_bucket = sorted((p for p in ordered if p[0] != flipped), key=lambda p: (bucket_of(p[1]), str(p[0])))
+    (a, image_a), (b, image_b) = by_bucket[0], by_bucket[1]
+    assert bucket_of(image_a) == bucket_of(image_b)
+    latent_a, latent_b = mean_latent(vaes[0], image_a) * scale, mean_latent(vaes[0], image_b) * scale
+    rewrite(a, lambda _: latent_b)
+    rewrite(b, lambda _: latent_a)
+    # stale: an image replaced since, its mtime put back
+    stale, stale_image = next(p for p in ordered if p[0] not in (flipped, a, b))
+    replace_image(stale_image, seed=999)
+
+    codes: dict[str, list[str]] = {}
+    for f in verify(project, vaes[0]).findings:
+        codes.setdefault(f.code, []).append(f.path)
+    assert codes == {"CD603": [str(flipped)], "CD605": sorted([str(a), str(b)]),
+                     "CD606": [str(stale)]}
+
+
+def test_each_layout_names_another_vae_and_a_scale(vaes, encoded_project, tmp_path: Path) -> None:
+    project, scale = encoded_project
+    cache_with(project, vaes[0], scale * 0.18215)  # SD 1.x's factor applied once more
+    [finding] = verify(project, vaes[0]).findings
+    assert finding.code == "CD602" and abs(finding.details["scale"] - 0.18215) < 0.01
+    cache_with(project, vaes[1], scale)
+    assert [f.code for f in verify(project, vaes[0]).findings] == ["CD601"]
