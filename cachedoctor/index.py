@@ -13,9 +13,9 @@ stored or fresh. A whole directory of clean recorded files is one `dirs` row ins
 fingerprint of its names and stats, its summaries by run and each file's stat and size; a
 rescan stats its files and compares one digest, and goes file by file only when it differs.
 
-Rows are plain columns, JSON and int64 arrays (never pickle): an index that someone else wrote or tampered
-with can give wrong verdicts for files whose stat it matches, no more; it runs no code, and a
-row that does not decode is read again. Only latents, text embeddings and images in image dirs
+Rows are plain columns, JSON and int64 arrays (never pickle): an index runs no code, and a row
+that does not decode is read again. Verdicts are taken on trust, so an index another user can
+write is not used (the user's own place is). Only latents, text embeddings and images in image dirs
 are recorded (the files a scan reads, and images, which the coverage rules need); everything
 else is cheap to judge and is judged every time. A file modified less than RACY_NS before the
 scan began is not recorded (a write in the same clock tick after our stat would leave its
@@ -45,6 +45,7 @@ import operator
 import os
 import secrets
 import sqlite3
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -406,9 +407,26 @@ def _refuse_links(path: str, in_cache: bool) -> None:
             raise PermissionError(f"{link} is a symlink")
 
 
+def _refuse_strangers(path: str, in_cache: bool) -> None:
+    """An index is a list of verdicts that a rescan takes on trust: one that another user can
+    write (theirs, its WAL or shm file or its folder theirs, or writable by anyone) could call
+    a hostile file clean. Such an index is not used; the user's own place is."""
+    me = os.geteuid()
+    names = (path, path + "-wal", path + "-shm")
+    for name in ((os.path.dirname(path),) if in_cache else ()) + names:
+        try:
+            st = os.stat(name)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != me or st.st_mode & stat.S_IWOTH:
+            whose = f"owned by user {st.st_uid}" if st.st_uid != me else "writable by anyone"
+            raise PermissionError(f"{name} is {whose}: its verdicts are not trusted")
+
+
 def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
     folder = os.path.dirname(path)
     _refuse_links(path, in_cache)
+    _refuse_strangers(path, in_cache)
     if not os.path.isdir(folder):
         os.makedirs(folder, mode=0o755, exist_ok=True)
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):

@@ -258,6 +258,29 @@ def test_a_symlinked_state_dir_is_not_followed(demo: Path, tmp_path: Path, monke
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize("stranger", ["world-writable", "another user's"])
+def test_an_index_another_user_can_write_is_not_trusted(demo: Path, tmp_path: Path, monkeypatch,
+                                                         stranger: str) -> None:
+    """A rescan takes the index's verdicts on trust: an index someone else can write could call a
+    hostile file clean, so it is left alone (never read, never written) and the user's own place
+    is used."""
+    monkeypatch.setenv("CACHEDOCTOR_STATE_DIR", str(tmp_path / "state"))
+    scan(demo)
+    theirs = demo / ".cachedoctor" / index.NAME
+    if stranger == "world-writable":
+        theirs.chmod(0o666)
+    elif os.geteuid() == 0:
+        os.chown(theirs, 12345, 12345)
+    else:
+        pytest.skip("only root can give a file to another user")
+    before = theirs.read_bytes()
+    first, again = scan(demo), scan(demo)
+    assert first.index["reused"] == 0 and again.index["reused"] == recordable(demo)
+    assert again.index["location"].startswith(str(tmp_path / "state" / "index"))
+    assert same(first, again, fresh(demo))
+    assert theirs.read_bytes() == before
+
+
 def test_no_index_and_rebuild_index(demo: Path) -> None:
     fresh(demo)
     assert not (demo / ".cachedoctor").exists()
