@@ -90,7 +90,8 @@ def read_entry(entry: Entry, deep: bool, templates: Templates | None = None) -> 
         except OSError as exc:
             return FileMeta(entry.path, 0, UNREADABLE, errors=(describe_os_error(exc),))
         fmt = IMAGE if entry.role == IMAGE_ROLE else (EMPTY if st.st_size == 0 else UNKNOWN)
-        return FileMeta(entry.path, st.st_size, fmt, mtime=st.st_mtime)
+        return FileMeta(entry.path, st.st_size, fmt, mtime=st.st_mtime,
+                        stat=(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns))
     return read_path(entry.path, deep=deep, templates=templates)
 
 
@@ -179,9 +180,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
         files += 1
         found_before = len(findings)
-        stat = None
-        if scope and given is None and index.recordable(entry.role, batch.area, entry.path[cut:]):
-            stat = index.stat_key(entry.path)  # before reading: a later change shows next scan
+        # recorded with the stat its reader took before reading: a later change shows next scan
+        record = scope and given is None and index.recordable(entry.role, batch.area, entry.path[cut:])
         if entry.area == "cache" and entry.role not in (LATENT, TEXT):
             if beside is None:
                 beside = naming.images_belong()
@@ -226,8 +226,9 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             coverage.append(row)
         if summary is not None:
             summaries.append(summary)
-        if stat is not None and not crashed and meta.format != UNREADABLE:  # an I/O error may pass
-            state.recorder.add(folder, entry.path[cut:], stat, scope, meta.size,
+        if record and meta.stat is not None and not crashed and meta.format != UNREADABLE:
+            # (an I/O error may pass: not recorded)
+            state.recorder.add(folder, entry.path[cut:], meta.stat, scope, meta.size,
                                findings[found_before:], summary, row, entry.path)
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
                        paths, coverage,

@@ -579,16 +579,6 @@ _KEY = operator.itemgetter(0, 1)
 MEMO = 65_536  # decoded texts kept per scan (a cache's files share a few summaries)
 
 
-def stat_key(path: str) -> _STAT | None:
-    """What a row is keyed on besides the path; None when the file cannot be stat'ed (its
-    reader says why)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
-
-
 def fs_now(path: str | None) -> int:
     """Now, by the clock that stamps files. The kernel stamps a change with a clock that lags
     time.time_ns() by up to a tick (4-10 ms), truncated to the file system's granularity, so

@@ -159,7 +159,7 @@ def read_path(path: str, *, deep: bool = False, templates: Templates | None = No
         meta = FileMeta(path, src.size, UNREADABLE, errors=(describe_os_error(exc),))
     finally:
         os.close(fd)
-    meta.mtime = src.mtime
+    meta.mtime, meta.stat = src.mtime, src.stat
     return meta
 
 

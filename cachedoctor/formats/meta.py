@@ -115,6 +115,9 @@ class FileMeta:
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     deep: bool = False  # whether CRC and values were read
     mtime: float = 0.0  # from the fstat of the open file (read_path sets it)
+    # (size, mtime_ns, inode, device, ctime_ns) from that same fstat, taken before any byte was
+    # read: what the incremental index keys this verdict on (no second stat per file)
+    stat: tuple[int, int, int, int, int] | None = field(default=None, compare=False, repr=False)
     # an earlier file whose facts these are, but for path and mtime (zip_templates): whoever
     # judges files may reuse what it found for that one
     same_as: FileMeta | None = field(default=None, compare=False, repr=False)
@@ -155,5 +158,7 @@ class FileMeta:
         return tuple(sorted({t.location for t in self.tensors}))
 
 
-# every field but path, mtime and same_as, in order (mtime and same_as are the last two)
-_FACTS = attrgetter(*[f for f in FileMeta.__dataclass_fields__ if f not in ("path", "mtime", "same_as")])
+# every field but path and the file's own stamps, in order (mtime, stat and same_as are the
+# last three): what a renamed twin shares
+_FACTS = attrgetter(*[f for f in FileMeta.__dataclass_fields__
+                      if f not in ("path", "mtime", "stat", "same_as")])

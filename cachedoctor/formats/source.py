@@ -57,6 +57,7 @@ class FileSource:
         self._pos = position  # the descriptor's offset, when known: saves an lseek
         self.size = size
         self.mtime = 0.0
+        self.stat: tuple[int, int, int, int, int] | None = None
         self.buffer: bytes | None = None
         self.windows: tuple[Window, ...]
         if spans is not None:
@@ -133,6 +134,7 @@ def open_source(path: str, spans_for: Callable[[int], Spans | None] | None = Non
         src = FileSource(fd, st.st_size, position=0, spans=spans,
                          whole_limit=DEEP_WHOLE_LIMIT if deep else WHOLE_FILE_LIMIT)
         src.mtime = st.st_mtime
+        src.stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
         return fd, src
     except BaseException:
         os.close(fd)
