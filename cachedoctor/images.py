@@ -9,9 +9,10 @@ an ImageError that names its format and the package that reads it.
 from __future__ import annotations
 
 import os
-import stat
 import struct
 from typing import TYPE_CHECKING, BinaryIO
+
+from cachedoctor.regular_files import NotRegular, open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -33,12 +34,12 @@ def open_image(path: str) -> BinaryIO:
     symlink to /dev/zero would never end), opened without blocking. ImageError otherwise."""
     name = os.path.basename(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, _ = open_regular(path)
+    except NotRegular as exc:
+        raise ImageError(f"{name}: {exc}") from None
     except OSError as exc:
         raise ImageError(f"{name}: cannot read it ({exc.strerror or exc})") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ImageError(f"{name}: not a regular file (a FIFO, a device or a folder)")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

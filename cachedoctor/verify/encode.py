@@ -17,11 +17,11 @@ from __future__ import annotations
 import gzip
 import io
 import os
-import stat
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cachedoctor.layouts.entries import EntryFormat, EntrySpec, Geometry
+from cachedoctor.regular_files import NotRegular, open_regular
 from cachedoctor.repair.encoders import DiffusersEncoder, Encoder, EncoderError
 
 if TYPE_CHECKING:
@@ -61,13 +61,12 @@ def checked_bytes(path: str) -> bytes:
     from cachedoctor.formats import read_bytes
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, st = open_regular(path)
+    except NotRegular as exc:
+        raise Unreadable(str(exc)) from None
     except OSError as exc:
         raise Unreadable(f"cannot open it: {exc.strerror or exc}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Unreadable("not a regular file (a FIFO, a device or a folder)")
         if st.st_size > ENTRY_LIMIT:
             raise Unreadable(f"{st.st_size:,} bytes: larger than any latent (not loaded)")
         chunks, left = [], ENTRY_LIMIT + 1
