@@ -40,7 +40,6 @@ import functools
 import hashlib
 import itertools
 import json
-import marshal
 import operator
 import os
 import secrets
@@ -60,7 +59,7 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.shard_blobs import INDEX_NAME, SHARD_PATTERN
 from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, excluded
-from cachedoctor.summary import CoverageRow, FileSummary, Group, encode
+from cachedoctor.summary import CoverageRow, FileSummary, Group, encode, encode_counted
 
 NAME = "index.sqlite"
 SCHEMA = "6"
@@ -137,6 +136,10 @@ def fingerprint(names: Any, stats: Iterable[tuple]) -> bytes:
         listing = _listing(names, stats)
     except OverflowError:  # never a `dirs` row's: the directory goes file by file
         listing = repr((list(names), stats)).encode("utf-8", "surrogatepass")
+    return _digest(listing)
+
+
+def _digest(listing: bytes) -> bytes:
     return hashlib.blake2b(listing, digest_size=16).digest()
 
 
@@ -223,7 +226,7 @@ def folder_row(rows: list[tuple], names: Any) -> tuple | None:
     except (OverflowError, TypeError, ValueError):
         return None
     return (max(map(operator.itemgetter(1), stats)),
-            (rows[0][0], rows[0][7], hashlib.blake2b(listing, digest_size=16).digest(),
+            (rows[0][0], rows[0][7], _digest(listing),
              len(rows), sum(map(_SIZE, rows)), runs, coverage, detail))
 
 
@@ -814,9 +817,8 @@ class Session:
                                 not all(v is None or type(v) is str for v in (key, note)):
                             raise ValueError("not a coverage row")
                         rows.append(CoverageRow(dataset, side, key, path, mtime, flag, note))
-            if summaries:  # summary.encode's blob, its tally made by run
-                reused.summaries.append((batch.dataset or "",
-                                         marshal.dumps((list(counts.items()), summaries))))
+            if summaries:  # its tally made by run
+                reused.summaries.append(encode_counted(batch.dataset, counts, summaries))
         except Exception:  # written by something else: file by file
             return False
         reused.files, reused.bytes, reused.coverage = files, nbytes, rows

@@ -22,7 +22,7 @@ import os
 import re
 import sqlite3
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -240,7 +240,13 @@ def encode(dataset: str | None, summaries: list[FileSummary]) -> tuple[str, byte
     marshal (plain tuples, strings and numbers) is faster than pickle and runs no code.
     """
     counts = Counter(_group(s) for s in summaries)
-    return dataset or "", marshal.dumps((list(counts.items()), [tuple(s) for s in summaries]))
+    return encode_counted(dataset, counts, [tuple(s) for s in summaries])
+
+
+def encode_counted(dataset: str | None, counts: Mapping[Group, int],
+                   summaries: list[tuple]) -> tuple[str, bytes]:
+    """encode()'s blob from a tally the caller made (the index counts a directory by run)."""
+    return dataset or "", marshal.dumps((list(counts.items()), summaries))
 
 
 class Group(NamedTuple):
