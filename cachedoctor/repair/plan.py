@@ -157,6 +157,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
     missing: list[Finding] = []
     notes: list[Note] = []
     left_out: list[Note] = []
+    described: dict[str, Entries | None] = {}  # per dataset: its layout's entries, made once
     for finding in report.findings:
         if finding.fix is not None and not reclaim.acted_on(finding, include_info):
             left_out.append(Note(finding.code, finding.path, finding.message))
@@ -166,7 +167,8 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
             notes.append(Note(finding.code, finding.path, finding.message, edit))
         elif finding.fix == REENCODE and finding.code == missing_cache_entries.RULE.code:
             if reencode is None:
-                notes.append(_skip(finding.code, finding.path, _unencoded(finding, datasets)))
+                notes.append(_skip(finding.code, finding.path,
+                                   _unencoded(finding, datasets, described)))
             else:
                 missing.append(finding)
         elif finding.fix not in FILE_FIXES:
@@ -234,12 +236,21 @@ def _action(path: str, findings: list[Finding], root: str) -> Action:
                   planned=FileId.of(st))
 
 
-def _unencoded(finding: Finding, datasets: Mapping[str, Dataset] | None) -> str:
+ENCODES_IT = "missing: `--reencode --encoder SPEC` encodes it"
+
+
+def _unencoded(finding: Finding, datasets: Mapping[str, Dataset] | None,
+               described: dict[str, Entries | None]) -> str:
     """What the plan says of a missing entry without --reencode: that --reencode writes it,
     or, where the trainer's layout cannot describe it (musubi-tuner, diffusion-pipe), why not
-    and the trainer's command."""
+    and the trainer's command. `described` keeps each dataset's entries (they read their
+    neighbours once, however many entries are missing)."""
     found = datasets.get(finding.dataset) if datasets and finding.dataset is not None else None
-    entries = found.naming.entries(found, NO_CHANGES) if found is not None else None
+    if found is None:
+        return ENCODES_IT
+    if found.id not in described:
+        described[found.id] = found.naming.entries(found, NO_CHANGES)
+    entries = described[found.id]
     if entries is not None:
         try:
             entries.spec(finding.path)
@@ -247,7 +258,7 @@ def _unencoded(finding: Finding, datasets: Mapping[str, Dataset] | None) -> str:
             return f"no re-encode: {_reason(exc)}"
         except (OSError, ValueError):
             pass  # --reencode says what went wrong, entry by entry
-    return "missing: `--reencode --encoder SPEC` encodes it"
+    return ENCODES_IT
 
 
 class _Reencodes:
