@@ -177,6 +177,7 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     key = batch.dataset or ""
     cut = len(batch.directory) + 1
     beside: bool | None = None  # whether images belong in this cache folder: asked once
+    recorded = state.recorder.files.append  # (index.Recorder.files says what each holds)
     for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
         files += 1
         found_before = len(findings)
@@ -228,11 +229,12 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             summaries.append(summary)
         if record and meta.stat is not None and not crashed and meta.format != UNREADABLE:
             # (an I/O error may pass: not recorded)
-            state.recorder.add(folder, entry.path[cut:], meta.stat, scope, meta.size,
-                               findings[found_before:], summary, row, entry.path)
+            recorded((entry.path[cut:], meta.stat, meta.size, summary, row, found_before,
+                      len(findings), entry.path))
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
                        paths, coverage,
-                       state.recorder.take(folder, batch.names, files) if scope else None)
+                       state.recorder.take(folder, batch.names, files, scope, findings)
+                       if scope else None)
 
 
 def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,

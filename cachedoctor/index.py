@@ -144,16 +144,20 @@ def _digest(listing: bytes) -> bytes:
 
 
 class Recorder:
-    """A worker's side of the index (one per ScanState): each file's verdict as a row, with
-    the JSON texts that many files share (a summary but for its path and mtime) made once."""
+    """A worker's side of the index (one per ScanState). Per file the worker only appends a
+    tuple to `files`; `take` makes the batch's records at once: one `dirs` row for a whole
+    clean directory (its lists built by C loops, a summary text per run of equal summaries),
+    else a row per file. The JSON texts many files share (a summary but for its
+    path and mtime) are made once."""
 
     def __init__(self) -> None:
         self.memo: dict[tuple, int] = {}  # a summary's facts -> its text's id
-        self.scopes: dict[str, int] = {}  # a scope stamp -> its text's id
+        self.ids: dict[str | bytes, int] = {}  # a scope stamp or a directory -> its text's id
         self.sent: set[int] = set()
-        self.rows: list[tuple] = []
+        # per file recorded, in the batch's order, appended by the worker: (name, stat, size,
+        # summary, coverage row, first, end, path), its findings being the batch's [first:end]
+        self.files: list[tuple] = []
         self.texts: list[tuple[int, str | bytes]] = []
-        self.dirs: dict[bytes, int] = {}
 
     def _text(self, text: str | bytes) -> int:
         found = text_id(text)
@@ -164,70 +168,103 @@ class Recorder:
             self.texts.append((found, text))
         return found
 
-    def add(self, directory: bytes, name: str, stat: tuple[int, int, int, int, int], scope: str,
-            size: int, findings: list[Finding], summary: FileSummary | None,
-            coverage: CoverageRow | None, path: str) -> None:
-        """Record one file; nothing when some value has no exact JSON form (the file is then
-        read again next time)."""
-        try:
-            summary_id = None
-            if summary is not None:
-                facts = summary[1:6] + summary[7:]
-                summary_id = self.memo.get(facts)
-                if summary_id is None:
-                    if len(self.memo) >= MEMO:
-                        self.memo.clear()
-                    summary_id = self.memo[facts] = self._text(_dumps(facts))
-            findings_id = self._text(_dumps([_finding_row(f, path) for f in findings])) \
-                if findings else None
-            cover = (coverage.side, coverage.key, coverage.flag, coverage.note) \
-                if coverage is not None else (None, None, None, None)
-            scope_id = self.scopes.get(scope)
-            if scope_id is None:
-                scope_id = self.scopes[scope] = self._text(scope)
-            dir_id = self.dirs.get(directory)
-            if dir_id is None:
-                dir_id = self.dirs[directory] = self._text(directory)
-            self.rows.append((dir_id, name.encode(FS, "surrogateescape"), *stat, scope_id,
-                              size, summary_id, findings_id, *cover))
-        except (TypeError, ValueError, RecursionError):
-            pass
+    def _id(self, text: str | bytes) -> int:
+        found = self.ids.get(text)
+        if found is None:
+            if len(self.ids) >= MEMO:
+                self.ids.clear()
+            found = self.ids[text] = self._text(text)
+        return found
 
-    def take(self, directory: bytes = b"", names: tuple[str, ...] = (), files: int = -1) -> Records:
-        """The batch's records: its `dirs` row when `names` may be its whole directory
-        (fewer than WHOLE_DIR) and every one of them was recorded without a finding."""
-        rows, texts = self.rows, self.texts
-        self.rows, self.texts = [], []
+    def _summary(self, facts: tuple | None) -> int | None:
+        if facts is None:
+            return None
+        found = self.memo.get(facts)
+        if found is None:
+            if len(self.memo) >= MEMO:
+                self.memo.clear()
+            found = self.memo[facts] = self._text(_dumps(facts))
+        return found
+
+    def take(self, directory: bytes, names: tuple[str, ...], files: int, scope: str,
+             findings: list[Finding]) -> Records:
+        """The batch's records: its `dirs` row when `names` may be its whole directory (fewer
+        than WHOLE_DIR), every one of them was recorded and the batch found nothing."""
+        done, self.files = self.files, []
+        if not done:
+            return Records([], [])
+        dir_id, scope_id = self._id(directory), self._id(scope)
         folder = None
-        if 0 < len(rows) == len(names) == files < WHOLE_DIR:
-            # (one row per name, in order: every entry of the batch was recorded)
-            folder = folder_row(rows, names)
-        if folder is not None:
-            return Records([], texts, folder)
-        return Records(rows, texts)
+        if not findings and len(done) == len(names) == files < WHOLE_DIR:
+            folder = self._folder(dir_id, scope_id, done, names)
+        rows = [] if folder is not None else \
+            [r for r in (self._row(dir_id, scope_id, f, findings) for f in done) if r is not None]
+        texts, self.texts = self.texts, []
+        return Records(rows, texts, folder)
 
-_SUMMARY, _FINDINGS, _SIDE, _SCOPE, _SIZE = (operator.itemgetter(i) for i in (9, 10, 11, 7, 8))
+    def _folder(self, dir_id: int, scope_id: int, done: list[tuple], names: Any) -> tuple | None:
+        summaries = list(map(_DONE_SUMMARY, done))
+        facts = map(_FACTS, summaries) if None not in summaries else \
+            [None if s is None else _FACTS(s) for s in summaries]
+        covers = list(map(_DONE_COVER, done))
+        if covers.count(None) != len(covers):
+            covers = [None if c is None else _COVER(c) for c in covers]
+        try:
+            runs = [[self._summary(key), len(list(run))] for key, run in itertools.groupby(facts)]
+        except (TypeError, ValueError, RecursionError):
+            return None  # (file by file: the file whose summary has no JSON form is left out)
+        return _dir_row(dir_id, scope_id, names, list(map(_DONE_STAT, done)),
+                        list(map(_DONE_SIZE, done)), runs, covers)
+
+    def _row(self, dir_id: int, scope_id: int, done: tuple, findings: list[Finding]
+             ) -> tuple | None:
+        """One file's `files` row; None when some value has no exact JSON form (the file is
+        then read again next time)."""
+        name, stat, size, summary, coverage, first, end, path = done
+        try:
+            summary_id = self._summary(None if summary is None else _FACTS(summary))
+            findings_id = self._text(_dumps([_finding_row(f, path) for f in findings[first:end]])) \
+                if end > first else None
+            cover = _COVER(coverage) if coverage is not None else (None, None, None, None)
+            return (dir_id, name.encode(FS, "surrogateescape"), *stat, scope_id, size,
+                    summary_id, findings_id, *cover)
+        except (TypeError, ValueError, RecursionError):
+            return None
+
+
+_DONE_STAT, _DONE_SIZE, _DONE_SUMMARY, _DONE_COVER = (operator.itemgetter(i) for i in (1, 2, 3, 4))
+# a summary but for its path and mtime (what files share); a coverage row as a `files` row's
+_FACTS = operator.itemgetter(*(i for i, f in enumerate(FileSummary._fields) if f not in ("path", "mtime")))
+_COVER = operator.itemgetter(*(CoverageRow._fields.index(f) for f in ("side", "key", "flag", "note")))
+_SUMMARY, _FINDINGS, _SCOPE, _SIZE = (operator.itemgetter(i) for i in (9, 10, 7, 8))
 _ROW_STAT = operator.itemgetter(2, 3, 4, 5, 6)
 
 
 def folder_row(rows: list[tuple], names: Any) -> tuple | None:
     """The `dirs` row of a directory whose files are `rows` (`files` rows, in the order of
-    `names`, none with a finding), with the newest mtime_ns: None when it has none. Its detail
-    is the fingerprinted listing and each file's size, as bytes (C loops only)."""
+    `names`, none with a finding), with the newest mtime_ns: None when it has none."""
     if set(map(_FINDINGS, rows)) != {None} or len(set(map(_SCOPE, rows))) != 1:
         return None
-    stats = list(map(_ROW_STAT, rows))
+    runs = [[sid, len(list(run))] for sid, run in itertools.groupby(map(_SUMMARY, rows))]
+    covers = [None if r[11] is None else r[11:15] for r in rows]
+    return _dir_row(rows[0][0], rows[0][7], names, list(map(_ROW_STAT, rows)),
+                    list(map(_SIZE, rows)), runs, covers)
+
+
+def _dir_row(dir_id: int, scope_id: int, names: Any, stats: list[tuple], sizes: list[int],
+             runs: list[list], covers: list) -> tuple | None:
+    """(newest mtime_ns, the `dirs` row): its detail is the fingerprinted listing and each
+    file's size, as bytes (C loops only); None when a value does not fit."""
     try:
         listing = _listing(names, stats)
-        detail = listing + array.array("q", map(_SIZE, rows)).tobytes()
-        runs = _dumps([[sid, len(list(run))] for sid, run in itertools.groupby(map(_SUMMARY, rows))])
-        coverage = None if set(map(_SIDE, rows)) == {None} else \
-            _dumps([None if r[11] is None else r[11:15] for r in rows])
+        detail = listing + array.array("q", sizes).tobytes()
+        coverage = None if covers.count(None) == len(covers) else _dumps(covers)
+        summaries = _dumps(runs)
     except (OverflowError, TypeError, ValueError):
         return None
     return (max(map(operator.itemgetter(1), stats)),
-            (rows[0][0], rows[0][7], _digest(listing),
-             len(rows), sum(map(_SIZE, rows)), runs, coverage, detail))
+            (dir_id, scope_id, _digest(listing), len(stats), sum(sizes), summaries, coverage,
+             detail))
 
 
 def _dumps(value: Any) -> str:
@@ -573,7 +610,7 @@ def recordable(role: str, area: str, name: str) -> bool:
     """Whether a file of this role is recorded: latents, text embeddings, images of an image
     dir; not a diffusion-pipe shard or its offsets table (whose verdicts depend on each other)."""
     if role in (LATENT, TEXT):
-        return name not in _SIDE_NAMES and SHARD_PATTERN.match(name) is None
+        return name not in _SIDE_NAMES and not (name.startswith("shard_") and SHARD_PATTERN.match(name))
     return role == IMAGE and area == "images"
 
 
@@ -695,6 +732,10 @@ class Session:
         if folder is not None and self.since is None and self._bulk(folder, batch, names, reused):
             return [], reused
         rows = self._lookup(batch.directory, names, first, folder)  # (only recordable files)
+        if not rows and self.since is None:  # nothing on record (a first scan): read them all
+            if whole:
+                self.whole.add(folder_id)
+            return list(names), reused
         scope = text_id(self.stamp(batch)) if rows else None
         keep: list[str] = []
         summaries: list[FileSummary] = []
