@@ -1,7 +1,7 @@
 """What the incremental index saves, against a bare walk measured in the same run.
 
 Builds N small latent files (default 200,000 copies of one 4x8x8 fp16 safetensors latent, 1,000
-per folder, made an hour old: the index records no file modified in the 2 s before a scan),
+per folder (--per-dir), made an hour old: the index records no file modified in the 2 s before a scan),
 warms the page cache, then times, in this process (`engine.scan`, every core):
   - walk:         os.scandir over the tree and an os.stat of every file (the floor a rescan
                   that must stat every file cannot beat),
@@ -40,13 +40,13 @@ def latent_bytes() -> bytes:
     return struct.pack("<Q", len(header)) + header + data
 
 
-def build(root: str, n: int) -> None:
+def build(root: str, n: int, per_dir: int = PER_DIR) -> None:
     blob = latent_bytes()
     past = time.time() - 3600
-    for start in range(0, n, PER_DIR):
-        folder = os.path.join(root, "latents", f"{start // PER_DIR:04d}")
+    for start in range(0, n, per_dir):
+        folder = os.path.join(root, "latents", f"{start // per_dir:04d}")
         os.makedirs(folder)
-        for i in range(start, min(n, start + PER_DIR)):
+        for i in range(start, min(n, start + per_dir)):
             path = os.path.join(folder, f"img_{i:07d}.safetensors")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--per-dir", type=int, default=PER_DIR,
+                        help="files per folder (a kohya or SimpleTuner cache may hold 100,000)")
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
 
@@ -92,7 +94,7 @@ def main() -> None:
     root = os.path.join(base, "cache")
     state = os.path.join(root, ".cachedoctor")
     try:
-        t, _ = timed(lambda: build(root, args.files))
+        t, _ = timed(lambda: build(root, args.files, args.per_dir))
         print(f"built {args.files:,} files in {t:.1f} s ({root})", file=sys.stderr)
         options = ScanOptions() if args.jobs is None else ScanOptions(jobs=args.jobs)
         plain = dataclasses.replace(options, index=False)
@@ -122,9 +124,9 @@ def main() -> None:
                                         zip(best["scan+index"], best["scan"], strict=True)]}
         # 1% of the files touched: read again, the rest reused
         touched = 0
-        for folder in sorted(os.listdir(os.path.join(root, "latents")))[:max(1, args.files // 100 // PER_DIR)]:
+        for folder in sorted(os.listdir(os.path.join(root, "latents"))):
             path = os.path.join(root, "latents", folder)
-            for name in os.listdir(path):
+            for name in sorted(os.listdir(path))[:max(1, args.files // 100) - touched]:
                 os.utime(os.path.join(path, name), (time.time() - 60, time.time() - 60))
                 touched += 1
         t, report = timed(lambda: engine.scan([root], options))
@@ -133,6 +135,7 @@ def main() -> None:
         size = sum(os.path.getsize(os.path.join(state, n)) for n in os.listdir(state))
         out = {
             "files": args.files,
+        "files per folder": args.per_dir,
             "jobs": options.jobs,
             f"seconds (best of {args.repeats})": {k: round(v, 3) for k, v in figures.items()},
             "rescan / walk": round(figures["rescan"] / figures["walk"], 2),

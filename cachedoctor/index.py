@@ -45,7 +45,6 @@ import os
 import secrets
 import sqlite3
 import stat
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -54,6 +53,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from cachedoctor import __version__
+from cachedoctor.clock import fs_now
 from cachedoctor.config import ConfigError
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
@@ -582,7 +582,7 @@ def since_ns(text: str, db: sqlite3.Connection | None, roots: Iterable[str]) -> 
         except sqlite3.Error:
             continue
         if found is not None and isinstance(found[0], (int, float)):
-            return int(found[0] * 1e9)
+            return int(found[0] * 1e9) - 1_000  # (float seconds: a stamp may round up)
     raise SinceError(f"--changed-since {text!r}: not an ISO time or epoch seconds, nor a scan or "
                      "repair run recorded for this cache")
 
@@ -617,26 +617,6 @@ def recordable(role: str, area: str, name: str) -> bool:
 _STAT = tuple[int, int, int, int, int]
 _KEY = operator.itemgetter(0, 1)
 MEMO = 65_536  # decoded texts kept per scan (a cache's files share a few summaries)
-
-
-def fs_now(path: str | None) -> int:
-    """Now, by the clock that stamps files. The kernel stamps a change with a clock that lags
-    time.time_ns() by up to a tick (4-10 ms), truncated to the file system's granularity, so
-    a file changed just after time.time_ns() can look older than it (and --changed-since
-    would leave it out). Touching the index file (stat'ed first: Linux then stamps its change
-    finely and no later stamp is older) and reading its mtime asks the clock itself; without
-    an index file, Linux's coarse clock is the floor of its stamps."""
-    if path is not None:
-        with contextlib.suppress(OSError, NotImplementedError):
-            os.lstat(path)
-            os.utime(path, follow_symlinks=False)
-            return os.lstat(path).st_mtime_ns
-    now = time.time_ns()
-    coarse = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswith("linux") else None)
-    if coarse is not None:
-        with contextlib.suppress(OSError):
-            now = min(now, time.clock_gettime_ns(coarse))
-    return now
 
 
 def _folder_rows(folder: tuple) -> list[tuple]:

@@ -493,3 +493,26 @@ def test_changed_since_in_a_directory_of_clean_files(tmp_path: Path) -> None:
     assert since.index["judged"] == 1
     assert {f.path for f in since.findings if f.code == "CD101"} == \
         {str(root / "latents" / "02" / "img_2_000.safetensors")}
+
+
+def test_the_start_of_a_repair_run_is_read_from_the_clock_that_stamps_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--changed-since RUN for a `fix` run: a file the run changes just after it began must
+    never look older than the run. Its start was once time.time(), which runs up to a tick
+    ahead of the stamps the kernel gives files: here it runs 20 ms ahead, as on a machine
+    whose journal commits faster than a tick (it failed so)."""
+    from cachedoctor.repair import journal as journal_module
+    from cachedoctor.repair.journal import Journal
+
+    real = time.time
+    monkeypatch.setattr(journal_module.time, "time", lambda: real() + 0.02)
+    with Journal.open(str(tmp_path)) as journal:
+        for i in range(100):
+            journal.begin_run(f"run-{i}", [], "fix")
+            path = tmp_path / f"changed-{i}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # no fstat: a coarse stamp
+            os.write(fd, b"x")
+            os.close(fd)
+            st = path.stat()
+            assert max(st.st_mtime_ns, st.st_ctime_ns) >= index.since_ns(f"run-{i}", None, [str(tmp_path)])
+            path.unlink()

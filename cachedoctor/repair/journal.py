@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from cachedoctor import __version__
+from cachedoctor.clock import fs_now
 from cachedoctor.repair import atomic
 from cachedoctor.repair.caches import JOURNAL, ActionPaths, state_dir
 
@@ -203,8 +204,10 @@ class Journal:
             raise JournalError(f"cannot write the journal {self.path}: {exc}") from None
 
     def begin_run(self, run_id: str, planned: Iterable[Planned], command: str) -> None:
-        """Record the run and every action it plans, in one transaction, before any change."""
-        now = time.time()
+        """Record the run and every action it plans, in one transaction, before any change.
+        Its start is read from the clock that stamps files (the journal file's own stamp), so
+        that --changed-since RUN never leaves out a file the run changed."""
+        now = fs_now(self.path) / 1e9
         with self._writing():
             self.conn.execute(
                 "INSERT INTO runs (run_id, started, state, pid, host, command, version) "
