@@ -233,7 +233,9 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
                       len(findings), entry.path))
     return ChunkResult(files, nbytes, findings, _encode(batch.dataset, summaries, findings),
                        paths, coverage,
-                       state.recorder.take(folder, batch.names, files, scope, findings)
+                       state.recorder.take(folder, batch.names, files, scope, findings,
+                                           None if batch.part is None else
+                                           index.chunk_key(folder, batch.part, options.shard))
                        if scope else None)
 
 
@@ -462,8 +464,8 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
 
 def _singles(batch: Batch) -> list[Batch]:
     """`batch` as batches of one file each (its listing errors first, together)."""
-    errors = [batch._replace(names=())] if batch.errors else []
-    return errors + [batch._replace(names=(name,), errors=()) for name in batch.names]
+    errors = [batch._replace(names=(), part=None)] if batch.errors else []
+    return errors + [batch._replace(names=(name,), errors=(), part=None) for name in batch.names]
 
 
 def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset],

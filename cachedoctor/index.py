@@ -62,12 +62,12 @@ from cachedoctor.inventory import IMAGE, LATENT, STATE_DIR, TEXT, Batch, exclude
 from cachedoctor.summary import CoverageRow, FileSummary, Group, encode, encode_counted
 
 NAME = "index.sqlite"
-SCHEMA = "6"
+SCHEMA = "7"
 BUSY_MS = 5000  # how long a scan waits for another scan's write before it skips its own
 RACY_NS = 2_000_000_000
 COMMIT_EVERY = 16384  # rows per write transaction
 LOOKUP_CHUNK = 500  # names per SELECT (SQLite allows 999 parameters in old builds)
-WHOLE_DIR = 1024  # a first batch of fewer names than this is its whole directory (engine.BATCH)
+WHOLE_DIR = 1024  # a directory with fewer names than this is looked up at once (engine.BATCH)
 DIGEST = 16  # hex digits of a stamp
 
 _TABLES = """
@@ -79,7 +79,7 @@ CREATE TABLE IF NOT EXISTS files (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT);
 CREATE TABLE IF NOT EXISTS dirs (
-    dir INTEGER PRIMARY KEY, scope INTEGER, fp BLOB, files INTEGER, bytes INTEGER,
+    key INTEGER PRIMARY KEY, dir INTEGER, scope INTEGER, fp BLOB, files INTEGER, bytes INTEGER,
     summaries TEXT, coverage TEXT, detail BLOB
 );
 CREATE TABLE IF NOT EXISTS scans (
@@ -113,6 +113,14 @@ class Records(NamedTuple):
     rows: list[tuple]
     texts: list[tuple[int, str]]
     folder: tuple | None = None  # (newest mtime_ns, the `dirs` row)
+    key: int | None = None  # the batch's chunk (chunk_key), if it is a whole one
+
+
+def chunk_key(directory: bytes, part: str, shard: tuple[int, int] | None) -> int:
+    """The `dirs` key of a whole batch (Batch.part) of `directory`: its last name, or "" for
+    the directory's last batch (or only one); a rank of a sharded scan keeps its own."""
+    return text_id(b"\0".join((directory, part.encode(FS, "surrogateescape"),
+                                b"" if shard is None else b"%d/%d" % shard)))
 
 
 _STAT_FIELDS = operator.attrgetter("st_size", "st_mtime_ns", "st_ino", "st_dev", "st_ctime_ns")
@@ -187,22 +195,23 @@ class Recorder:
         return found
 
     def take(self, directory: bytes, names: tuple[str, ...], files: int, scope: str,
-             findings: list[Finding]) -> Records:
-        """The batch's records: its `dirs` row when `names` may be its whole directory (fewer
-        than WHOLE_DIR), every one of them was recorded and the batch found nothing."""
+             findings: list[Finding], key: int | None) -> Records:
+        """The batch's records: its `dirs` row when it is a whole chunk of its directory
+        (`key`), every one of its files was recorded and the batch found nothing."""
         done, self.files = self.files, []
         if not done:
-            return Records([], [])
+            return Records([], [], None, key)
         dir_id, scope_id = self._id(directory), self._id(scope)
         folder = None
-        if not findings and len(done) == len(names) == files < WHOLE_DIR:
-            folder = self._folder(dir_id, scope_id, done, names)
+        if key is not None and not findings and len(done) == len(names) == files:
+            folder = self._folder(key, dir_id, scope_id, done, names)
         rows = [] if folder is not None else \
             [r for r in (self._row(dir_id, scope_id, f, findings) for f in done) if r is not None]
         texts, self.texts = self.texts, []
-        return Records(rows, texts, folder)
+        return Records(rows, texts, folder, key)
 
-    def _folder(self, dir_id: int, scope_id: int, done: list[tuple], names: Any) -> tuple | None:
+    def _folder(self, key: int, dir_id: int, scope_id: int, done: list[tuple], names: Any
+                ) -> tuple | None:
         summaries = list(map(_DONE_SUMMARY, done))
         facts = map(_FACTS, summaries) if None not in summaries else \
             [None if s is None else _FACTS(s) for s in summaries]
@@ -213,7 +222,7 @@ class Recorder:
             runs = [[self._summary(key), len(list(run))] for key, run in itertools.groupby(facts)]
         except (TypeError, ValueError, RecursionError):
             return None  # (file by file: the file whose summary has no JSON form is left out)
-        return _dir_row(dir_id, scope_id, names, list(map(_DONE_STAT, done)),
+        return _dir_row(key, dir_id, scope_id, names, list(map(_DONE_STAT, done)),
                         list(map(_DONE_SIZE, done)), runs, covers)
 
     def _row(self, dir_id: int, scope_id: int, done: tuple, findings: list[Finding]
@@ -240,19 +249,19 @@ _SUMMARY, _FINDINGS, _SCOPE, _SIZE = (operator.itemgetter(i) for i in (9, 10, 7,
 _ROW_STAT = operator.itemgetter(2, 3, 4, 5, 6)
 
 
-def folder_row(rows: list[tuple], names: Any) -> tuple | None:
-    """The `dirs` row of a directory whose files are `rows` (`files` rows, in the order of
+def folder_row(key: int, rows: list[tuple], names: Any) -> tuple | None:
+    """The `dirs` row of a chunk whose files are `rows` (`files` rows, in the order of
     `names`, none with a finding), with the newest mtime_ns: None when it has none."""
     if set(map(_FINDINGS, rows)) != {None} or len(set(map(_SCOPE, rows))) != 1:
         return None
     runs = [[sid, len(list(run))] for sid, run in itertools.groupby(map(_SUMMARY, rows))]
     covers = [None if r[11] is None else r[11:15] for r in rows]
-    return _dir_row(rows[0][0], rows[0][7], names, list(map(_ROW_STAT, rows)),
+    return _dir_row(key, rows[0][0], rows[0][7], names, list(map(_ROW_STAT, rows)),
                     list(map(_SIZE, rows)), runs, covers)
 
 
-def _dir_row(dir_id: int, scope_id: int, names: Any, stats: list[tuple], sizes: list[int],
-             runs: list[list], covers: list) -> tuple | None:
+def _dir_row(key: int, dir_id: int, scope_id: int, names: Any, stats: list[tuple],
+             sizes: list[int], runs: list[list], covers: list) -> tuple | None:
     """(newest mtime_ns, the `dirs` row): its detail is the fingerprinted listing and each
     file's size, as bytes (C loops only); None when a value does not fit."""
     try:
@@ -263,8 +272,8 @@ def _dir_row(dir_id: int, scope_id: int, names: Any, stats: list[tuple], sizes: 
     except (OverflowError, TypeError, ValueError):
         return None
     return (max(map(operator.itemgetter(1), stats)),
-            (dir_id, scope_id, _digest(listing), len(stats), sum(sizes), summaries, coverage,
-             detail))
+            (key, dir_id, scope_id, _digest(listing), len(stats), sum(sizes), summaries,
+             coverage, detail))
 
 
 def _dumps(value: Any) -> str:
@@ -621,7 +630,7 @@ MEMO = 65_536  # decoded texts kept per scan (a cache's files share a few summar
 
 def _folder_rows(folder: tuple) -> list[tuple]:
     """A `dirs` row as the `files` rows of its files (raises when it does not decode)."""
-    dir_id, scope, _, files, _, summaries, coverage, detail = folder
+    _, dir_id, scope, _, files, _, summaries, coverage, detail = folder
     head = int.from_bytes(detail[:8], "little")
     if len(detail) != 8 + head + 48 * files:
         raise ValueError("not a directory record")
@@ -660,8 +669,9 @@ class Session:
 
     def __init__(self, db: sqlite3.Connection | None, where: str | None,
                  stamp: Callable[[Batch], str], exclude: tuple[str, ...], keep_paths: bool,
-                 since: int | None, notices: list[str]) -> None:
-        self.db, self.where, self.stamp = db, where, stamp
+                 since: int | None, notices: list[str],
+                 shard: tuple[int, int] | None = None) -> None:
+        self.db, self.where, self.stamp, self.shard = db, where, stamp, shard
         self.exclude, self.keep_paths, self.since = exclude, keep_paths, since
         self.notices = notices
         self.started = fs_now(where if db is not None else None)
@@ -671,8 +681,13 @@ class Session:
         self.old: set[str] = set()  # files being read that did not change since --changed-since
         self.rows: list[tuple] = []
         self.folders: list[tuple] = []  # `dirs` rows to write
-        self.stale: list[int] = []  # directories read whole whose `dirs` row is out of date
-        self.whole: set[int] = set()  # directories whose every file went to the readers
+        self.stale: list[int] = []  # chunks read whole whose `dirs` row is out of date
+        self.whole: set[int] = set()  # chunks whose every file went to the readers
+        self.listed: dict[int, tuple[int, list[bytes]]] = {}  # chunk -> its `files` rows' names
+        self.seen: set[int] = set()  # the chunks of this scan
+        self.from_files: list[bytes] = []  # names of the `files` rows the last lookup found
+        self.dropped: list[tuple[int, bytes]] = []  # `files` rows a `dirs` row replaces
+        self.walked: set[int] = set()  # the directories of this scan
         self.new_texts: list[tuple[int, str | bytes]] = []
         self.dirs: dict[int, str] = {}  # directory ids met (for --changed-since)
         self.texts: dict[int, str] = {}  # id -> text, read back
@@ -694,8 +709,9 @@ class Session:
             if reused.files:
                 self.reused += reused.files
                 on_reused(reused)
-            if keep or batch.errors:
-                yield batch._replace(names=tuple(keep))
+            if keep or batch.errors:  # (a batch left whole is still a whole chunk)
+                yield batch._replace(names=tuple(keep), part=batch.part
+                                     if len(keep) == len(batch.names) else None)
 
     def _split(self, batch: Batch) -> tuple[list[str], Reused]:
         reused = Reused()
@@ -705,16 +721,21 @@ class Session:
             else batch.names
         first = batch.directory != self.directory
         self.directory = batch.directory
-        # the whole directory: its first batch, not a full one, nothing excluded
-        whole = first and len(batch.names) < WHOLE_DIR and len(names) == len(batch.names)
-        folder_id = text_id(os.fsencode(batch.directory))
-        folder = self._folder(folder_id) if whole and names else None
+        encoded = os.fsencode(batch.directory)
+        folder_id = text_id(encoded)
+        key = None if batch.part is None else chunk_key(encoded, batch.part, self.shard)
+        if key is not None:
+            self.seen.add(key)
+            self.walked.add(folder_id)
+        whole = key is not None and len(names) == len(batch.names)  # (nothing excluded)
+        folder = self._folder(key) if whole and names else None
         if folder is not None and self.since is None and self._bulk(folder, batch, names, reused):
             return [], reused
-        rows = self._lookup(batch.directory, names, first, folder)  # (only recordable files)
+        # (only recordable files; the whole directory's rows at once when it is one batch)
+        rows = self._lookup(batch.directory, names, first and batch.part == "", folder)
         if not rows and self.since is None:  # nothing on record (a first scan): read them all
             if whole:
-                self.whole.add(folder_id)
+                self.whole.add(key)
             return list(names), reused
         scope = text_id(self.stamp(batch)) if rows else None
         keep: list[str] = []
@@ -768,27 +789,30 @@ class Session:
         if summaries:
             reused.summaries.append(encode(batch.dataset, summaries))
         if whole and len(keep) == len(names):
-            self.whole.add(folder_id)
+            self.whole.add(key)
+            if self.from_files:  # (replaced by its `dirs` row, if the chunk is clean)
+                self.listed[key] = (folder_id, self.from_files)
         elif whole and not keep and since is None and self.db is not None:
-            self._refresh(folder_id, names, rows)
+            self._refresh(key, folder_id, names, rows)
         return keep, reused
 
-    def _refresh(self, folder_id: int, names: Any, rows: dict[str, tuple]) -> None:
-        """A new `dirs` row for a directory whose every file was reused one by one (its row
-        was out of date, or missing): the next rescan takes the fast path again."""
+    def _refresh(self, key: int, folder_id: int, names: Any, rows: dict[str, tuple]) -> None:
+        """A new `dirs` row for a chunk whose every file was reused one by one (its row was
+        out of date, or missing): the next rescan takes the fast path again."""
         ordered = [(folder_id, n.encode(FS, "surrogateescape"), *rows[n][1:]) for n in names]
         if all(r[10] is None and r[3] < self.started - RACY_NS for r in ordered):
-            made = folder_row(ordered, names)
+            made = folder_row(key, ordered, names)
             if made is not None:
                 self.folders.append(made[1])
+                self.dropped.extend((folder_id, n) for n in self.from_files)
 
-    def _folder(self, folder_id: int) -> tuple | None:
-        """The directory's `dirs` row, if any."""
+    def _folder(self, key: int) -> tuple | None:
+        """The chunk's `dirs` row, if any."""
         if self.db is None or self.empty:
             return None
         try:
-            return self.db.execute("SELECT dir, scope, fp, files, bytes, summaries, coverage, "
-                                   "detail FROM dirs WHERE dir = ?", (folder_id,)).fetchone()
+            return self.db.execute("SELECT key, dir, scope, fp, files, bytes, summaries, "
+                                   "coverage, detail FROM dirs WHERE key = ?", (key,)).fetchone()
         except sqlite3.Error as exc:
             self._drop(f"cannot read the index {self.where} ({exc}): reading every file")
             return None
@@ -796,7 +820,7 @@ class Session:
     def _bulk(self, folder: tuple, batch: Batch, names: Any, reused: Reused) -> bool:
         """Every file of an unchanged directory from its `dirs` row: its stats, one digest
         compared, its summaries made by run. False when anything differs or does not decode."""
-        _, scope, fp, files, nbytes, runs_text, coverage, _ = folder
+        _, _, scope, fp, files, nbytes, runs_text, coverage, _ = folder
         if files != len(names) or type(nbytes) is not int or \
                 scope != text_id(self.stamp(batch)):
             return False
@@ -894,12 +918,13 @@ class Session:
             return None
         return found, summary, coverage
 
-    def _lookup(self, directory: str, names: Any, first: bool, folder: tuple | None
+    def _lookup(self, directory: str, names: Any, at_once: bool, folder: tuple | None
                 ) -> dict[str, tuple]:
         """The rows of `names` in `directory` (and the texts they name, into self.texts): the
-        `dirs` row's files, then the `files` rows (newer), the whole directory's at once when
-        this is its first batch and not a full one (a big directory comes in several batches:
-        those ask for their names)."""
+        `dirs` row's files, then the `files` rows (newer; their names into self.from_files),
+        the whole directory's at once when it is one batch (a big directory comes in several
+        batches: those ask for their names)."""
+        self.from_files = []
         if self.db is None or not names or self.empty:
             return {}
         found = {}
@@ -911,12 +936,14 @@ class Session:
         columns = ("SELECT name, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
                    "findings, side, key, flag, note FROM files WHERE dir = ?")
         try:
-            if first and len(names) < WHOLE_DIR:
+            listed = self.from_files
+            if at_once:
                 wanted = set(names)
                 for row in self.db.execute(columns, (folder_id,)):
                     name = row[0].decode(FS, "surrogateescape")
                     if name in wanted:
                         found[name] = row
+                        listed.append(row[0])
             else:
                 for start in range(0, len(names), LOOKUP_CHUNK):
                     chunk = [n.encode(FS, "surrogateescape")
@@ -925,6 +952,7 @@ class Session:
                     for row in self.db.execute(f"{columns} AND name IN ({marks})",
                                                (folder_id, *chunk)):
                         found[row[0].decode(FS, "surrogateescape")] = row
+                        listed.append(row[0])
             wanted = {i for row in found.values() for i in (row[8], row[9])
                       if i is not None and i not in self.texts}
             if wanted:
@@ -948,11 +976,16 @@ class Session:
             return
         racy = self.started - RACY_NS
         rows = records.rows
+        key = records.key
+        whole = key in self.whole
+        self.whole.discard(key)
+        listed = self.listed.pop(key, None)
         if records.folder is not None:
             newest, folder = records.folder
-            if self.db is not None and folder[0] in self.whole and newest < racy and not self.old:
-                self.whole.discard(folder[0])
+            if self.db is not None and whole and newest < racy and not self.old:
                 self.folders.append(folder)
+                if listed is not None:
+                    self.dropped.extend((listed[0], n) for n in listed[1])
                 self.new_texts.extend(records.texts)
                 self._maybe_flush()
                 return
@@ -966,9 +999,8 @@ class Session:
                     self.old.discard(os.path.join(dirs[row[0]], os.fsdecode(row[1])))
         if self.db is None:
             return
-        if rows and rows[0][0] in self.whole:  # read whole, but not clean: no `dirs` row
-            self.whole.discard(rows[0][0])
-            self.stale.append(rows[0][0])
+        if whole:  # read whole, but not clean (or too new): no `dirs` row
+            self.stale.append(key)
         self.rows.extend(row for row in rows if row[3] < racy)
         self.new_texts.extend(records.texts)
         self._maybe_flush()
@@ -981,20 +1013,19 @@ class Session:
         rows, self.rows = self.rows, []
         folders, self.folders = self.folders, []
         stale, self.stale = self.stale, []
+        dropped, self.dropped = self.dropped, []
         texts, self.new_texts = self.new_texts, []
-        if not (rows or folders or stale) or self.db is None:
+        if not (rows or folders or stale or dropped) or self.db is None:
             return
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 self.db.executemany("INSERT OR IGNORE INTO texts VALUES (?, ?)", texts)
-                if folders:  # a directory's `dirs` row replaces its `files` rows
-                    self.db.executemany("DELETE FROM files WHERE dir = ?",
-                                        [(f[0],) for f in folders])
-                    self.db.executemany("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?,?,?,?)",
-                                        folders)
-                if stale:
-                    self.db.executemany("DELETE FROM dirs WHERE dir = ?", [(d,) for d in stale])
+                # a chunk's `dirs` row replaces its files' `files` rows
+                self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", dropped)
+                self.db.executemany("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?,?,?,?,?)",
+                                    folders)
+                self.db.executemany("DELETE FROM dirs WHERE key = ?", [(k,) for k in stale])
                 rows.sort(key=_KEY)  # in key order: half the b-tree work of the walk's order
                 self.db.executemany("INSERT OR REPLACE INTO files VALUES "
                                     "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
@@ -1035,10 +1066,17 @@ class Session:
         return stats
 
     def _prune(self, files: int) -> None:
-        """Rows of files and directories that are gone, once they outnumber the files a scan
-        saw (an index shared by scans of other targets keeps theirs: they still exist), and
-        texts no row names."""
+        """The rows of chunks a directory of this scan no longer has; rows of files and
+        directories that are gone, once they outnumber the files a scan saw (an index shared
+        by scans of other targets keeps theirs: they still exist), and texts no row names."""
         assert self.db is not None
+        if self.walked:
+            old = [(k,) for k, d in self.db.execute("SELECT key, dir FROM dirs")
+                   if d in self.walked and k not in self.seen]
+            if old:
+                self.db.execute("BEGIN IMMEDIATE")
+                self.db.executemany("DELETE FROM dirs WHERE key = ?", old)
+                self.db.execute("COMMIT")
         (rows,) = self.db.execute("SELECT (SELECT count(*) FROM files) + "
                                   "(SELECT coalesce(sum(files), 0) FROM dirs)").fetchone()
         if rows <= 2 * files + 10_000:
@@ -1047,20 +1085,20 @@ class Session:
                     "SELECT f.dir, f.name, t.text FROM files f LEFT JOIN texts t ON t.id = f.dir")
                 if not isinstance(path, bytes)
                 or not os.path.lexists(os.path.join(os.fsdecode(path), os.fsdecode(n)))]
-        folders = list(self.db.execute(
-            "SELECT d.dir, t.text, d.scope, d.summaries FROM dirs d LEFT JOIN texts t ON t.id = d.dir"))
+        folders = list(self.db.execute("SELECT d.key, d.dir, t.text, d.scope, d.summaries "
+                                       "FROM dirs d LEFT JOIN texts t ON t.id = d.dir"))
         named: set[int] = set()
         gone_dirs = []
-        for folder_id, path, scope, runs in folders:
+        for key, folder_id, path, scope, runs in folders:
             if not isinstance(path, bytes) or not os.path.isdir(os.fsdecode(path)):
-                gone_dirs.append((folder_id,))
+                gone_dirs.append((key,))
                 continue
             named.update((folder_id, scope))
             with contextlib.suppress(Exception):
                 named.update(sid for sid, _ in json.loads(runs) if type(sid) is int)
         self.db.execute("BEGIN IMMEDIATE")
         self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", gone)
-        self.db.executemany("DELETE FROM dirs WHERE dir = ?", gone_dirs)
+        self.db.executemany("DELETE FROM dirs WHERE key = ?", gone_dirs)
         self.db.execute("CREATE TEMP TABLE IF NOT EXISTS named (id INTEGER PRIMARY KEY)")
         self.db.execute("DELETE FROM named")
         self.db.executemany("INSERT OR IGNORE INTO named VALUES (?)", [(i,) for i in named])
@@ -1087,4 +1125,4 @@ def open_session(roots: list[str], options: Any, rules: list[Any], datasets: Map
                 db.close()
             raise
     return Session(db, where, scope_stamps(options, rules, datasets), options.exclude,
-                   options.keep_paths, since, notices)
+                   options.keep_paths, since, notices, options.shard)

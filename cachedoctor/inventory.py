@@ -108,6 +108,9 @@ class Batch(NamedTuple):
     errors: tuple[tuple[str, str], ...] = ()  # (path, why) for what could not be listed
     # name -> (size, mtime, ETag) where the listing gives them in place of a stat (S3 objects)
     stats: Mapping[str, tuple[int, float, str]] | None = None
+    # a whole chunk of its directory's listing (see `batches`): "" for its last (a directory
+    # of one batch: the whole directory), else the name that ended the chunk; None: not one
+    part: str | None = None
 
     def entries(self, exclude: tuple[str, ...] = ()) -> Iterator[Entry]:
         for path, why in self.errors:
@@ -133,7 +136,12 @@ def walk(root: str, *, dataset: str | None = None, exclude: tuple[str, ...] = ()
 def batches(root: str, *, dataset: str | None = None, area: str = "cache", size: int = 256,
             shard: tuple[int, int] | None = None, recursive: bool = True,
             prune: frozenset[tuple[int, int]] = frozenset()) -> Iterator[Batch]:
-    """The files under `root` in batches of at most `size` names per directory.
+    """The files under `root` in batches of about `size` names per directory.
+
+    A big directory is cut where its content says, not by count: after a name whose CRC-32
+    is 0 modulo size/2, once the batch has size/2 names (at 4 x size names whatever the name).
+    Adding or removing a file then changes one batch of an unchanged listing order, not every
+    batch after it, so the index can keep a record per batch (`Batch.part`) of any directory.
 
     The walk lists directories only: d_type tells files from directories without a syscall,
     so only symlinks are stat'ed, and files are first touched by the worker that reads them.
@@ -157,6 +165,8 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
         return
     seen = {(st.st_dev, st.st_ino)}
     real_root = os.path.realpath(root)
+    half = max(1, size // 2)
+    most = max(half, 4 * size)
     stack = [root]
     while stack:
         directory = stack.pop()
@@ -179,9 +189,12 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     continue
                 if is_file:
                     if mine is None or mine(child.name):
-                        names.append(child.name)
-                        if len(names) == size:
-                            yield _batch(directory, names, dataset, bucket, area, errors, shard)
+                        name = child.name
+                        names.append(name)
+                        if len(names) >= half and (len(names) >= most or zlib.crc32(
+                                name.encode("utf-8", "surrogateescape")) % half == 0):
+                            yield _batch(directory, names, dataset, bucket, area, errors, shard,
+                                         name)
                             names, errors = [], []
                 elif is_dir:
                     if child.name == STATE_DIR or not recursive:
@@ -210,7 +223,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     errors.append((child.path, _link_error(child.path)))
                 # sockets, FIFOs and devices are no cache files and must never be opened
         if names or (errors and (shard is None or shard[0] == 0)):
-            yield _batch(directory, names, dataset, bucket, area, errors, shard)
+            yield _batch(directory, names, dataset, bucket, area, errors, shard, "")
 
 
 def _holds(link: str, real_root: str) -> bool:
@@ -233,10 +246,11 @@ def _children(listing: Iterator[os.DirEntry], directory: str,
 
 
 def _batch(directory: str, names: list[str], dataset: str | None, bucket: str | None,
-           area: str, errors: list[tuple[str, str]], shard: tuple[int, int] | None) -> Batch:
+           area: str, errors: list[tuple[str, str]], shard: tuple[int, int] | None,
+           part: str) -> Batch:
     if shard is not None and shard[0] != 0:
         errors = []  # rank 0 reports what could not be listed, once
-    return Batch(directory, tuple(names), dataset, bucket, area, tuple(errors))
+    return Batch(directory, tuple(names), dataset, bucket, area, tuple(errors), None, part)
 
 
 def _mine(shard: tuple[int, int], prefix: bytes) -> Callable[[str], bool]:

@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -457,6 +458,42 @@ def test_a_directory_of_clean_files_is_one_row_and_any_change_is_read_again(
         assert after.index["read"] == 1 and after.files == after.index["reused"] + 1
     again = scan(root)  # (a file modified in the last RACY_NS is not recorded: read again)
     assert same(again, after) and again.index["read"] == (change is _truncate)
+
+
+@pytest.mark.parametrize("change", [None, _touch, _same_size_new_inode, _truncate, "add", "delete"])
+def test_a_big_directory_is_a_row_per_batch_and_any_change_is_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change) -> None:
+    """A flat cache of many files (a kohya or SimpleTuner cache dir) comes in many batches:
+    each is one `dirs` row, and a change reads the changed file only, not its batch nor the
+    batches after it."""
+    monkeypatch.setattr(engine, "BATCH", 64)  # (batches of 32 to 256 names: 600 files, ~9)
+    root = _latents(tmp_path / "cache", folders=1, per=600)
+    folder = root / "latents" / "00"
+    first = scan(root)
+    chunks = _counts(root)[0]
+    assert chunks > 3 and _counts(root) == (chunks, 0)
+    target = folder / "img_0_300.safetensors"
+    if change == "add":  # a name that does not end a batch (one that does splits its batch in
+        # two: the new half has no row, and its files are read again)
+        name = next(n for n in (f"new_{i}.safetensors" for i in range(100))
+                    if zlib.crc32(n.encode()) % 32)
+        shutil.copy2(target, folder / name)
+    elif change == "delete":
+        target.unlink()
+    elif change is not None:
+        change(target)
+    after = scan(root)
+    assert same(after, fresh(root))
+    if change is None:
+        assert same(after, first) and after.index["reused"] == 600
+    elif change == "delete":
+        assert after.index["reused"] == 599 and after.index["read"] == 0
+    else:
+        assert after.index["read"] == 1 and after.files == after.index["reused"] + 1
+    again = scan(root)
+    assert same(again, after) and again.index["read"] == (change is _truncate)
+    if change is not _truncate:  # (file by file once, then its batch's row is made anew)
+        assert scan(root).index["reused"] == again.files and _counts(root)[1] == 0
 
 
 def test_a_changed_directory_gets_its_fast_row_back(tmp_path: Path) -> None:

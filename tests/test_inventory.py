@@ -143,18 +143,67 @@ _real_scandir = os.scandir
 
 
 def test_a_flat_directory_streams_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch leaves as soon as it is full: a flat cache of a million files is never held."""
-    for i in range(250):
-        (tmp_path / f"{i:03d}.pt").write_bytes(b"")
+    """A batch leaves as soon as it is cut: a flat cache of a million files is never held.
+    Cuts fall where the names say, after size/2 names and by 4 x size at the latest."""
+    for i in range(2500):
+        (tmp_path / f"{i:04d}.pt").write_bytes(b"")
     monkeypatch.setattr(os, "scandir", _CountingListing)
     _CountingListing.taken = 0
     walk_ = batches(str(tmp_path), size=100)
     first = next(walk_)
-    assert len(first.names) == 100 and _CountingListing.taken == 100
+    assert 50 <= len(first.names) <= 400 and _CountingListing.taken == len(first.names)
     rest = list(walk_)
-    assert [len(b.names) for b in rest] == [100, 50]
-    names = {n for b in (first, *rest) for n in b.names}
-    assert len(names) == 250
+    assert all(50 <= len(b.names) <= 400 for b in rest[:-1]) and len(rest[-1].names) <= 400
+    assert [b.part for b in (first, *rest)] == [b.names[-1] for b in (first, *rest[:-1])] + [""]
+    names = [n for b in (first, *rest) for n in b.names]
+    assert len(names) == len(set(names)) == 2500
+    assert 2500 / (len(rest) + 1) > 60  # about `size` a batch, not size/2
+
+
+def test_adding_or_removing_a_file_changes_one_batch_of_a_big_directory() -> None:
+    """What lets the index keep a record per batch: the batches of an unchanged listing order
+    are the same but for the one that holds the change."""
+    names = [f"img_{i:05d}.npz" for i in range(3000)]
+    before = [list(b.names) for b in _cut(names)]
+    assert len(before) > 10
+    for changed in ([*names[:1700], "new.npz", *names[1700:]], names[:1699] + names[1700:]):
+        after = [list(b.names) for b in _cut(changed)]
+        assert len([b for b in after if b not in before]) <= 2  # (a new cut splits one in two)
+        assert len([b for b in before if b not in after]) == 1
+
+
+def _cut(names: list[str]) -> list:
+    """The batches of a directory listed in the order of `names` (os.scandir faked)."""
+    class Listing:
+        def __init__(self, path: str) -> None:
+            self.entries = iter([_Entry(os.path.join(path, n), n) for n in names])
+
+        def __enter__(self) -> Listing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def __iter__(self) -> Listing:
+            return self
+
+        def __next__(self) -> _Entry:
+            return next(self.entries)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "scandir", Listing)
+        return list(batches("/", size=100, recursive=False))
+
+
+class _Entry:
+    def __init__(self, path: str, name: str) -> None:
+        self.path, self.name = path, name
+
+    def is_file(self) -> bool:
+        return True
+
+    def is_dir(self) -> bool:
+        return False
 
 
 def test_shards_split_by_path_whatever_the_listing_order(tmp_path: Path) -> None:
