@@ -9,7 +9,8 @@ the same; anything else is read again. The scope stamp hashes the package versio
 source of every module (a change of a reader or a rule re-judges everything), the options that
 shape a verdict (--deep, the rules selected, their settings) and what the trainer config says
 about the file's dataset, bucket and area. The dataset rules always run over every summary,
-stored or fresh. A whole directory of clean recorded files is one `dirs` row instead: a
+stored or fresh. A whole batch of the walk (a small directory, or a chunk of a big one cut
+where its names say: inventory.batches) of clean recorded files is one `dirs` row instead: a
 fingerprint of its names and stats, its summaries by run and each file's stat and size; a
 rescan stats its files and compares one digest, and goes file by file only when it differs.
 
@@ -105,10 +106,10 @@ def text_id(text: str | bytes) -> int:
 
 class Records(NamedTuple):
     """What a worker sends back for the index: a row per file read (the `files` table's
-    columns) and the texts those rows name that it has not sent before; or, for a batch
-    that may be a whole directory of clean recorded files, its `dirs` row instead of the
-    rows (one insert, not a thousand; the parent turns it back into rows when the batch was
-    not a whole directory)."""
+    columns) and the texts those rows name that it has not sent before; or, for a whole
+    batch of the walk (Batch.part) of clean recorded files, its `dirs` row instead of the
+    rows (one insert, not a thousand; the parent turns it back into rows when it cannot keep
+    it: a batch it cut, a file modified too recently)."""
 
     rows: list[tuple]
     texts: list[tuple[int, str]]
@@ -661,11 +662,11 @@ class Session:
     """One scan's use of an index (`db`, or none: then only --changed-since applies): splits
     each batch into the files it can reuse and those to read, and records what was read.
 
-    A directory of clean recorded files has one `dirs` row: a fingerprint of its names and
+    A whole batch of clean recorded files has one `dirs` row: a fingerprint of its names and
     stats and its summaries by run. A rescan stats its files and compares one digest; only a
-    directory that changed is looked at file by file (its row's detail, and `files` rows).
-    Only files that have a row are stat'ed here (a first scan stats nothing more than a scan
-    without the index: the workers stat each file they record, before reading it)."""
+    batch that changed is looked at file by file (its row's detail, and `files` rows). Only
+    files that have a row are stat'ed here (a first scan stats nothing more than a scan
+    without the index: a file is recorded with the stat its reader took of it)."""
 
     def __init__(self, db: sqlite3.Connection | None, where: str | None,
                  stamp: Callable[[Batch], str], exclude: tuple[str, ...], keep_paths: bool,
@@ -818,7 +819,7 @@ class Session:
             return None
 
     def _bulk(self, folder: tuple, batch: Batch, names: Any, reused: Reused) -> bool:
-        """Every file of an unchanged directory from its `dirs` row: its stats, one digest
+        """Every file of an unchanged batch from its `dirs` row: its stats, one digest
         compared, its summaries made by run. False when anything differs or does not decode."""
         _, _, scope, fp, files, nbytes, runs_text, coverage, _ = folder
         if files != len(names) or type(nbytes) is not int or \

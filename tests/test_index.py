@@ -215,7 +215,8 @@ def test_two_concurrent_scans_share_the_index(demo: Path) -> None:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         assert db.execute("SELECT count(*) FROM scans").fetchone() == (2,)
     after = scan(demo)
-    assert same(after, expected) and after.index["reused"] == recordable(demo)
+    assert same(after, expected) and after.index["reused"] == recordable(demo), \
+        (after.index, [run[1] for run in outputs])
 
 
 def test_a_cache_that_cannot_hold_the_index_uses_the_user_dir(demo: Path, tmp_path: Path,
