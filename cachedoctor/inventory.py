@@ -139,7 +139,8 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
     """The files under `root` in batches of about `size` names per directory.
 
     A big directory is cut where its content says, not by count: after a name whose CRC-32
-    is 0 modulo size/2, once the batch has size/2 names (at 4 x size names whatever the name).
+    is 0 modulo size/2, once the batch has `size` names (at 4 x size names whatever the
+    name); one of up to `size` files is one batch.
     Adding or removing a file then changes one batch of an unchanged listing order, not every
     batch after it, so the index can keep a record per batch (`Batch.part`) of any directory.
 
@@ -166,7 +167,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
     seen = {(st.st_dev, st.st_ino)}
     real_root = os.path.realpath(root)
     half = max(1, size // 2)
-    most = max(half, 4 * size)
+    most = 4 * size
     stack = [root]
     while stack:
         directory = stack.pop()
@@ -191,7 +192,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     if mine is None or mine(child.name):
                         name = child.name
                         names.append(name)
-                        if len(names) >= half and (len(names) >= most or zlib.crc32(
+                        if len(names) >= size and (len(names) >= most or zlib.crc32(
                                 name.encode("utf-8", "surrogateescape")) % half == 0):
                             yield _batch(directory, names, dataset, bucket, area, errors, shard,
                                          name)

@@ -467,7 +467,7 @@ def test_a_big_directory_is_a_row_per_batch_and_any_change_is_read_again(
     """A flat cache of many files (a kohya or SimpleTuner cache dir) comes in many batches:
     each is one `dirs` row, and a change reads the changed file only, not its batch nor the
     batches after it."""
-    monkeypatch.setattr(engine, "BATCH", 64)  # (batches of 32 to 256 names: 600 files, ~9)
+    monkeypatch.setattr(engine, "BATCH", 64)  # (batches of 64 to 256 names: 600 files, ~6)
     root = _latents(tmp_path / "cache", folders=1, per=600)
     folder = root / "latents" / "00"
     first = scan(root)
