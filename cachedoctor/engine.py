@@ -178,11 +178,12 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     cut = len(batch.directory) + 1
     beside: bool | None = None  # whether images belong in this cache folder: asked once
     recorded = state.recorder.files.append  # (index.Recorder.files says what each holds)
+    roles = index.recorded_roles(batch.area) if scope else ()
     for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
         files += 1
         found_before = len(findings)
         # recorded with the stat its reader took before reading: a later change shows next scan
-        record = scope and given is None and index.recordable(entry.role, batch.area, entry.path[cut:])
+        record = entry.role in roles and given is None
         if entry.area == "cache" and entry.role not in (LATENT, TEXT):
             if beside is None:
                 beside = naming.images_belong()

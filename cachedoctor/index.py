@@ -201,6 +201,9 @@ class Recorder:
         """The batch's records: its `dirs` row when it is a whole chunk of its directory
         (`key`), every one of its files was recorded and the batch found nothing."""
         done, self.files = self.files, []
+        names_done = list(map(_DONE_NAME, done))
+        if not _SIDE_NAMES.isdisjoint(names_done) or any(map(_SHARD, names_done)):
+            done = [d for d in done if _recordable_name(d[0])]  # (rare: C loops decide)
         if not done:
             return Records([], [], None, key)
         dir_id, scope_id = self._id(directory), self._id(scope)
@@ -243,7 +246,7 @@ class Recorder:
             return None
 
 
-_DONE_STAT, _DONE_SIZE, _DONE_SUMMARY, _DONE_COVER = (operator.itemgetter(i) for i in (1, 2, 3, 4))
+_DONE_NAME, _DONE_STAT, _DONE_SIZE, _DONE_SUMMARY, _DONE_COVER = map(operator.itemgetter, range(5))
 # a summary but for its path and mtime (what files share); a coverage row as a `files` row's
 _FACTS = operator.itemgetter(*(i for i, f in enumerate(FileSummary._fields) if f not in ("path", "mtime")))
 _COVER = operator.itemgetter(*(CoverageRow._fields.index(f) for f in ("side", "key", "flag", "note")))
@@ -619,12 +622,20 @@ _SIDE_NAMES = frozenset({INDEX_NAME, INDEX_NAME + "-journal", INDEX_NAME + "-wal
                          INDEX_NAME + "-shm"})
 
 
-def recordable(role: str, area: str, name: str) -> bool:
-    """Whether a file of this role is recorded: latents, text embeddings, images of an image
-    dir; not a diffusion-pipe shard or its offsets table (whose verdicts depend on each other)."""
-    if role in (LATENT, TEXT):
-        return name not in _SIDE_NAMES and not (name.startswith("shard_") and SHARD_PATTERN.match(name))
-    return role == IMAGE and area == "images"
+def recorded_roles(area: str) -> frozenset[str]:
+    """The roles of the files recorded in an area: latents, text embeddings, images of an
+    image dir (the worker's test per file; Recorder.take then leaves out a diffusion-pipe
+    shard or its offsets table, whose verdicts depend on each other)."""
+    return _IMAGE_AREA_ROLES if area == "images" else _ROLES
+
+
+_ROLES = frozenset({LATENT, TEXT})
+_IMAGE_AREA_ROLES = _ROLES | {IMAGE}
+_SHARD = operator.methodcaller("startswith", "shard_")
+
+
+def _recordable_name(name: str) -> bool:
+    return name not in _SIDE_NAMES and not (name.startswith("shard_") and SHARD_PATTERN.match(name))
 
 
 _STAT = tuple[int, int, int, int, int]

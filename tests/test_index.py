@@ -20,6 +20,7 @@ import pytest
 from cachedoctor import engine, index
 from cachedoctor.api import resolve_policy
 from cachedoctor.config import ConfigError
+from cachedoctor.findings import Severity
 from cachedoctor.fixtures.demo import write_demo
 from cachedoctor.options import ScanOptions
 
@@ -554,3 +555,23 @@ def test_the_start_of_a_repair_run_is_read_from_the_clock_that_stamps_files(
             st = path.stat()
             assert max(st.st_mtime_ns, st.st_ctime_ns) >= index.since_ns(f"run-{i}", None, [str(tmp_path)])
             path.unlink()
+
+
+def test_diffusion_pipe_shards_are_judged_every_time(tmp_path: Path) -> None:
+    """A shard's verdict depends on metadata.db (its offsets): neither is recorded, so a
+    metadata.db rewritten under unchanged shards is judged again."""
+    from cachedoctor.fixtures.projects import diffusion_pipe as dp
+
+    cache = dp.cache_of(dp.build(tmp_path))
+    _age(cache)
+    first = scan(cache)
+    assert not any(f.severity >= Severity.WARNING for f in first.findings)
+    with sqlite3.connect(cache / ".cachedoctor" / index.NAME) as db:
+        names = [n.decode() for (n,) in db.execute("SELECT name FROM files")]
+        for row in db.execute("SELECT * FROM dirs"):
+            names += [r[1].decode() for r in index._folder_rows(row)]
+    assert not [n for n in names if n.startswith("shard_") or n == "metadata.db"]
+    for db_file in cache.rglob("metadata.db"):
+        db_file.write_bytes(b"not a database" * 100)
+    after = scan(cache)
+    assert same(after, fresh(cache)) and any(f.severity >= Severity.WARNING for f in after.findings)
