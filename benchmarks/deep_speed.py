@@ -9,9 +9,9 @@ interleaved (this machine's speed drifts):
   - a plain full read: `jobs` forked processes, each opening its share of the files and reading
     every byte into memory (the floor: what any check of every byte pays at least),
   - `cachedoctor scan` (metadata only) and `cachedoctor scan --deep` as a user runs them (the
-    CLI in a subprocess, `-j jobs`, `--no-index` so that every round reads every file); their start-up (a scan of an empty dir; for --deep, a
-    --deep scan of one file, numpy's import included) is shown and taken out, so the
-    throughputs compare per byte;
+    CLI in a subprocess, `-j jobs`, `--no-index` so that every round reads every file); their
+    start-up (a scan of an empty dir; for --deep, a --deep scan of one file, numpy's import
+    included) is shown and taken out, so the throughputs compare per byte;
   - steady state: the plain read and --deep's reader (read_path(deep=True), what a scan's
     worker runs, without the rules) in one pool of `jobs` processes started and warmed before
     the clock: no start-up on either side, the fairest per-byte comparison on a busy machine.
