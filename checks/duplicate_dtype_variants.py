@@ -32,12 +32,14 @@ from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.rule import Rule, RuleContext
 
-SIZE = re.compile(r"_\d+x\d+x\d+$")
+# the loader drops a latent key's last `_` segment: `<F>x<H>x<W>`, or FLUX.2's `<H>x<W>`
+# (bucket.py BucketBatchManager.__getitem__, kohya-ss/musubi-tuner 30c658c4)
+SIZE = re.compile(r"_\d+x\d+(?:x\d+)?$")
 
 
 def variants(meta: FileMeta) -> dict[str, list[str]]:
     """{the name musubi's loader reads a key as: [keys]} for each name two keys share. The
-    loader drops the dtype, and a latent key's `_<F>x<H>x<W>` too."""
+    loader drops the dtype, and a latent key's size (`_<F>x<H>x<W>`, `_<H>x<W>`) too."""
     seen: dict[str, list[str]] = {}
     for tensor in meta.tensors:
         if len(tensor.path) != 1 or not isinstance(tensor.path[0], str):

@@ -1,17 +1,20 @@
 """## What it does
 Reports a tensor of a musubi-tuner cache file whose real shape or dtype is not what its key
 declares. musubi names every tensor for what it holds: `latents_<F>x<H>x<W>_<dtype>` (also
-`latents_image_…`, `latents_control_…`), `clip_<dtype>`, `f_indices_int32`. Also reports a
-latent whose file name gives another original size (`_<WWWW>x<HHHH>_`) than its header's
-`width` and `height`. Only files with musubi's header (`architecture`, `format_version`) are
-checked. Where musubi's own writer declares the main latent's F or dtype on another key
-(FramePack's `latents_clean_…` hold 2 or 16 frames, Wan's `clip_` output is float16 under the
-latent's bfloat16), only what the writer declares truly is compared.
+`latents_image_…`, `latents_control_…`), `clip_<dtype>`, `f_indices_int32`. FLUX.2 leaves out
+the frame axis: `latents_<H>x<W>_<dtype>` and `latents_control_<i>_<H>x<W>_<dtype>` hold
+[C, H, W] (HiDream-O1's controls [H, W, D] patch tokens), so one of another H or W, or with a
+frame axis, is reported. Also reports a latent whose file name gives another original size
+(`_<WWWW>x<HHHH>_`) than its header's `width` and `height`. Only files with musubi's header
+(`architecture`, `format_version`) are checked. Where musubi's own writer declares the main
+latent's F or dtype on another key (FramePack's `latents_clean_…` hold 2 or 16 frames, Wan's
+`clip_` output is float16 under the latent's bfloat16), only what the writer declares truly is
+compared.
 
 ## Why is this bad?
-musubi trusts the names. The training loader strips the `_<F>x<H>x<W>` and the dtype from each
-key and stacks the tensors of a batch under what is left. It buckets items by the size in the
-file name and the control keys' declared shapes. So:
+musubi trusts the names. The training loader strips the size (`_<F>x<H>x<W>`, `_<H>x<W>`)
+and the dtype from each key and stacks the tensors of a batch under what is left. It buckets
+items by the size in the file name and the control keys' declared shapes. So:
 
 - a latent that is not the size its key says crashes `torch.stack` in the middle of an epoch
   (or lands in a bucket it does not fit);
@@ -50,6 +53,11 @@ DTYPES = tuple(sorted((
     "float8_e4m3fnuz", "float8_e5m2fnuz", "int64", "int32", "int16", "int8", "uint8", "bool",
     "complex64", "complex128"), key=len, reverse=True))
 LATENT_KEY = re.compile(r"^latents_(?:[a-z0-9_]+_)?(?P<f>\d+)x(?P<h>\d+)x(?P<w>\d+)_[a-z0-9_]+$")
+# `latents_<H>x<W>_<dtype>`, no frame axis: save_latent_cache_flux_2 ([C, H, W], controls
+# `latents_control_<i>_<H>x<W>_` each of its own size) and save_pixel_cache_hidream_o1's
+# controls ([H patches, W patches, D]) (cache_io.py, kohya-ss/musubi-tuner 30c658c4). A 3-D
+# key never matches: the prefix ends at an underscore and `<F>x<H>x` is no `<H>x<W>_`.
+IMAGE_KEY = re.compile(r"^latents_(?:[a-z0-9_]+_)?(?P<h>\d+)x(?P<w>\d+)_[a-z0-9_]+$")
 PATCH_TOKENS = "hidream_o1_image"  # [H patches, W patches, D]: the size leads
 # Keys whose size or dtype suffix musubi's writer takes from the main latent, not from the
 # tensor itself (cache_io.py, kohya-ss/musubi-tuner 30c658c4), keyed by the `architecture`:
@@ -82,6 +90,15 @@ def declared_frames(tensor: TensorMeta, architecture: str | None) -> tuple[int, 
     return None
 
 
+def declared_size(tensor: TensorMeta, architecture: str | None) -> tuple[int, int] | None:
+    """(H, W) of a tensor under a `<H>x<W>` key: [C, H, W], or HiDream-O1's [H, W, D]. None
+    for any other rank: a frame axis the key does not declare is a mismatch."""
+    shape = tensor.shape
+    if len(shape) != 3:
+        return None
+    return (shape[0], shape[1]) if architecture == PATCH_TOKENS else (shape[1], shape[2])
+
+
 def problems(meta: FileMeta) -> list[str]:
     architecture = meta.metadata.get("architecture")
     out = []
@@ -98,6 +115,9 @@ def problems(meta: FileMeta) -> list[str]:
                 have = (want[0], *have[1:])  # F is the main latent's, see FRAMES_OF_MAIN
             if have != want:
                 wrong.append("{}x{}x{} (F x H x W)".format(*want))
+        elif (image := IMAGE_KEY.match(key)) is not None and (
+                declared_size(tensor, architecture) != (int(image["h"]), int(image["w"]))):
+            wrong.append(f"{image['h']}x{image['w']} (H x W, no frame axis)")
         dtype = declared_dtype(key)
         if key.startswith(DTYPE_OF_MAIN.get(architecture, ())):
             dtype = None  # the main latent's dtype, see DTYPE_OF_MAIN

@@ -244,3 +244,93 @@ def test_project_with_a_config_per_architecture(tmp_path: Path) -> None:
         _text(cache, "clip_0", arch, full, {"varlen_t5_bfloat16": torch.randn(5, 64).bfloat16()},
               "a clip")
     assert severe(scan_paths(root)) == []
+
+
+FLUX_2 = (("f2d", "flux_2_dev"), ("f2k4b", "flux_2_klein_4b"), ("f2k9b", "flux_2_klein_9b"))
+
+
+def flux_2_item(cache: Path, stem: str, arch: str, full: str, width: int, height: int,
+                controls: tuple[tuple[int, int], ...] = (), **swap) -> Path:
+    """flux_2_cache_latents.encode_and_save_batch: the AE's [128, H/16, W/16] latent and one of
+    each control image's own size (no_resize_control), saved by save_latent_cache_flux_2; `swap`
+    replaces a key's tensor with another (a cache some other tool rewrote)."""
+    bf = torch.bfloat16
+    latent = torch.randn(128, height // 16, width // 16).to(bf)
+    tensors = musubi.flux_2_latent(latent, [torch.randn(128, h // 16, w // 16).to(bf)
+                                            for w, h in controls])
+    for key, tensor in swap.items():
+        assert key in tensors
+        tensors[key] = tensor
+    path = cache / musubi.latent_name(stem, width, height, arch)
+    musubi.save_latents(path, tensors, full, width, height)
+    _text(cache, stem, arch, full, {"ctx_vec_bfloat16": torch.randn(512, 96).to(bf)})
+    return path
+
+
+def test_flux_2_caches_as_the_writer_keys_them_are_healthy(tmp_path: Path) -> None:
+    """`latents_<H>x<W>_<dtype>` [C, H, W] for every FLUX.2 model, with no control, one, or two
+    of other sizes than the target: no CD306, nothing severe."""
+    for arch, full in FLUX_2:
+        cache = tmp_path / arch
+        cache.mkdir()
+        flux_2_item(cache, "plain", arch, full, 320, 192)
+        flux_2_item(cache, "edit", arch, full, 320, 192, controls=((320, 192),))
+        flux_2_item(cache, "refs", arch, full, 320, 192, controls=((256, 256), (192, 320)))
+    report = scan_paths(tmp_path)
+    assert by_code(report, "CD306") == []
+    assert severe(report) == []
+
+
+@pytest.mark.parametrize(("key", "tensor", "declares"), [
+    ("latents_12x20_bfloat16", torch.randn(128, 16, 16).bfloat16(), "12x20 (H x W, no frame axis)"),
+    ("latents_12x20_bfloat16", torch.randn(128, 1, 12, 20).bfloat16(), "12x20 (H x W, no frame axis)"),
+    ("latents_12x20_bfloat16", torch.randn(128, 12, 20), "bfloat16"),
+    ("latents_control_1_20x12_bfloat16", torch.randn(128, 12, 20).bfloat16(),
+     "20x12 (H x W, no frame axis)"),
+], ids=["another-size", "a-frame-axis", "cast", "control-of-another-size"])
+def test_a_flux_2_latent_unlike_its_key_is_cd306(tmp_path: Path, key: str, tensor,
+                                                  declares: str) -> None:
+    cache = tmp_path / "f2k4b"
+    cache.mkdir()
+    flux_2_item(cache, "good", "f2k4b", "flux_2_klein_4b", 320, 192,
+                controls=((320, 192), (192, 320)))
+    bad = flux_2_item(cache, "bad", "f2k4b", "flux_2_klein_4b", 320, 192,
+                      controls=((320, 192), (192, 320)), **{key: tensor})
+    (finding,) = by_code(scan_paths(cache), "CD306")
+    assert finding.path == str(bad)
+    assert finding.message.startswith(f"{key} is ") and finding.message.endswith(declares)
+
+
+def test_two_sizes_of_one_flux_2_latent_key_are_duplicates(tmp_path: Path) -> None:
+    """The loader drops `_<H>x<W>` as it drops `_<F>x<H>x<W>`: two FLUX.2 latents collide."""
+    cache = tmp_path / "f2d"
+    cache.mkdir()
+    bf = torch.bfloat16
+    path = flux_2_item(cache, "a", "f2d", "flux_2_dev", 320, 192)
+    musubi.save_latents(path, {"latents_12x20_bfloat16": torch.randn(128, 12, 20).to(bf),
+                               "latents_16x16_bfloat16": torch.randn(128, 16, 16).to(bf)},
+                        "flux_2_dev", 320, 192)
+    (finding,) = by_code(scan_paths(cache), "CD307")
+    assert finding.details["keys"] == {"latents": ["latents_12x20_bfloat16",
+                                                   "latents_16x16_bfloat16"]}
+
+
+def test_hidream_controls_are_keyed_by_their_patch_grid(tmp_path: Path) -> None:
+    """save_pixel_cache_hidream_o1 keys each control `latents_control_<i>_<H>x<W>_<dtype>` over
+    [H patches, W patches, D]: true to it, no CD306; another grid under the key is one."""
+    cache = tmp_path / "ho1"
+    cache.mkdir()
+    bf = torch.bfloat16
+    for stem, grid in (("a", (3, 5)), ("b", (5, 3))):
+        musubi.save_latents(cache / musubi.latent_name(stem, 160, 128, "ho1"), {
+            "latents_1x4x5_bfloat16": torch.randn(4, 5, 3072).to(bf),
+            f"latents_control_0_{grid[0]}x{grid[1]}_bfloat16": torch.randn(*grid, 3072).to(bf)},
+            "hidream_o1_image", 160, 128)
+        _text(cache, stem, "ho1", "hidream_o1_image", {"varlen_input_ids_int64": torch.arange(7)})
+    assert severe(scan_paths(cache)) == []
+    musubi.save_latents(cache / musubi.latent_name("b", 160, 128, "ho1"), {
+        "latents_1x4x5_bfloat16": torch.randn(4, 5, 3072).to(bf),
+        "latents_control_0_5x3_bfloat16": torch.randn(3, 5, 3072).to(bf)},
+        "hidream_o1_image", 160, 128)
+    (finding,) = by_code(scan_paths(cache), "CD306")
+    assert "latents_control_0_5x3_bfloat16 is [3, 5, 3072]" in finding.message
