@@ -165,15 +165,17 @@ def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
     held = known if known is not None else content(entry.role, meta)
     if held is None:
         return None
-    bucket, expected, family = entry.bucket, None, None
+    bucket, expected, family, shape = entry.bucket, None, None, held.shape
     if facts is not None and held.role == LATENT:
         bucket, expected, family = facts.bucket, facts.expected, facts.family
+        if facts.shape is not None:
+            shape = facts.shape or None
     elif held.role == TEXT:
         # a diffusion-pipe blob's text encoder (text_embeddings_<i>/) is its family: each encoder
         # has a sharded cache of its own, whose embeddings differ from the others' by design
         family = text_family(entry.path[entry.path.rfind(os.sep) + 1:]) or encoder_slot(entry.path)
     return FileSummary(entry.path, entry.dataset, bucket, held.role, meta.format, meta.size,
-                       meta.mtime, held.shape, held.dtype, held.signature, held.locations,
+                       meta.mtime, shape, held.dtype, held.signature, held.locations,
                        expected, family, group)
 
 

@@ -6,6 +6,11 @@ kohya's bucket for the image size in the npz name under the dataset's bucket set
 OneTrainer's `crop_resolution` in `aggregate.pt`, ai-toolkit's `crop_width`/`crop_height` in
 the safetensors header.
 
+kohya's FLUX, SD3, Lumina, Anima and HunyuanImage npz (and SD/SDXL ones from sd-scripts with
+PR #2269) key each latent by its size (`latents_<h>x<w>`) and may hold several. Such a file
+is judged by the key of its bucket: one without it is reported only when the config sets
+`skip_cache_check`.
+
 ## Why is this bad?
 The trainer does not check: kohya's `is_disk_cached_latents_expected` looks only for keys, and
 SimpleTuner trusts a file that exists. A latent made at another resolution (the config changed,
@@ -13,14 +18,24 @@ the bucket settings changed, a file was copied from another run) is stacked with
 latents of its bucket and training stops at `torch.stack`, or it trains on a wrongly scaled
 sample without a word.
 
+kohya's size-keyed npz are the exception: sd-scripts encodes an image again when its file lacks
+the bucket's key, and adds the key to the file. With `skip_cache_check` it trusts any file that
+exists, and training stops with `ValueError: latents_<h>x<w> not found in <file>` when it first
+loads that image.
+
 ## Example
 ```
 CD302 error train/10_person/img_0042_1024x0768_sdxl.npz
       latent is 128x128 (h x w); bucket 1152x896 needs 112x144: it was encoded at another resolution
+CD302 error train/10_person/img_0007_0768x1024_flux.npz
+      no latents_128x96 for bucket 768x1024 (it holds a 64x48 latent): with skip_cache_check,
+      sd-scripts does not encode it again and stops with ValueError when it loads the file
 ```
 
 ## Fix
 `cachedoctor fix` quarantines the file; `--reencode` encodes it again at the bucket's size.
+A quarantined kohya npz is cached again by sd-scripts, `skip_cache_check` or not: it only
+trusts files that exist.
 """
 
 from __future__ import annotations
@@ -29,7 +44,9 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
+from cachedoctor.formats.meta import NPZ
 from cachedoctor.inventory import LATENT
+from cachedoctor.layouts.kohya import MULTI_RESOLUTION
 from cachedoctor.rule import Rule, RuleContext, Selector
 from cachedoctor.summary import DatasetView
 
@@ -53,12 +70,16 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         if not wrong(s.role, s.shape, s.expected):
             continue
         (h, w), (eh, ew) = s.shape[-2:], s.expected
-        yield RULE.finding(
-            s.path,
-            f"latent is {h}x{w} (h x w); bucket {s.bucket} needs {eh}x{ew}: it was encoded at "
-            "another resolution",
-            ctx, bucket=s.bucket, actual=[h, w], expected=[eh, ew], shape=list(s.shape),
-        )
+        if s.format == NPZ and s.family in MULTI_RESOLUTION:
+            # kohya's summary holds another size only under skip_cache_check (kohya.loaded_shape)
+            message = (f"no latents_{eh}x{ew} for bucket {s.bucket} (it holds a {h}x{w} latent): "
+                       "with skip_cache_check, sd-scripts does not encode it again and stops "
+                       "with ValueError when it loads the file")
+        else:
+            message = (f"latent is {h}x{w} (h x w); bucket {s.bucket} needs {eh}x{ew}: it was "
+                       "encoded at another resolution")
+        yield RULE.finding(s.path, message, ctx, bucket=s.bucket, actual=[h, w],
+                           expected=[eh, ew], shape=list(s.shape))
 
 
 RULE = Rule(

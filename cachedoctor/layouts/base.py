@@ -97,6 +97,10 @@ class CacheFacts(NamedTuple):
     expected: tuple[int, int] | None = None  # (h, w) the latent must have, in latent pixels
     family: str | None = None  # model family / architecture, when files of several coexist
     naming: str | None = None  # which naming scheme the file follows ("unhashed", "legacy")
+    # the shape of the latent the trainer loads, where the file holds several (kohya's
+    # multi-resolution keys) and its primary latent is not that one; () when it loads none from
+    # this file (it encodes the image anew); None: the primary latent stands
+    shape: tuple[int, ...] | None = None
 
 
 NO_FACTS = CacheFacts()

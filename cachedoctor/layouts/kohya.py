@@ -16,6 +16,8 @@ HunyuanImage, `_hi`); the legacy `<stem>.npz` wins when present. Text encoder ou
 (`_te_outputs.npz`, `_<arch>_te.npz`) are embeddings. Each image dir is read without its
 sub-folders (`glob_images(image_dir, "*")`). A latent's bucket is the one kohya's
 BucketManager picks for the size in its file name under the dataset's bucket settings.
+FLUX, SD3, Lumina, Anima and HunyuanImage key their latents by size (`latents_<h>x<w>`): one
+npz may hold several, and the trainer reads the one of the bucket (see `loaded_shape`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ TITLE = "kohya sd-scripts"
 LATENT_NAME = re.compile(
     r"^(?P<stem>.+)_(?P<w>\d{4,})x(?P<h>\d{4,})_(?P<arch>sd|sdxl|flux|sd3|lumina|anima|hi)\.npz$")
 STRIDE = {"hi": 32}  # HunyuanImage; every other arch: 8
+# The archs whose strategy passes multi_resolution=True (library/strategy_{flux,sd3,lumina,anima,
+# hunyuan_image}.py at 48d368fa): their npz keys end `_<h>x<w>` of the latent, since 6ab48b09
+# (2024-08-20) for FLUX; an unsuffixed `latents` there is never read.
+MULTI_RESOLUTION = frozenset({"flux", "sd3", "lumina", "anima", "hi"})
 # train_util.IMAGE_EXTENSIONS: matched case-sensitively by glob on Linux
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".avif",
                     ".PNG", ".JPG", ".JPEG", ".WEBP", ".BMP", ".AVIF")
@@ -168,17 +174,22 @@ def _layout(args_file: ConfigFile | None, dataset_file: ConfigFile | None) -> La
     subsets = _subsets(dataset_file, args, arg_origins, root, problems)
     ids = unique(os.path.basename(s.image_dir.rstrip(os.sep)) or s.image_dir for s in subsets)
     to_disk = args.get("cache_latents_to_disk")
+    # --skip_cache_check: an existing npz is trusted without opening it (strategy_base.py
+    # `_default_is_disk_cached_latents_expected`). The full fine-tune scripts' deprecated
+    # --skip_latents_validity_check is mapped onto it by those scripts alone: not read here.
+    skip_check = args.get("skip_cache_check") is True
     datasets = []
     for ident, subset in zip(ids, subsets, strict=True):
         if not os.path.isdir(subset.image_dir):
             problems.missing(subset.origin, "image_dir", subset.value, subset.image_dir,
                              _reason(root), ident)
         naming = KohyaNaming(root=subset.image_dir, buckets=subset.buckets,
-                             expects_cache=to_disk is not False)
+                             expects_cache=to_disk is not False, skip_cache_check=skip_check)
         datasets.append(Dataset(
             ident, image_dirs=(subset.image_dir,), shallow_image_dirs=(subset.image_dir,),
             latent_cache_dir=subset.image_dir, text_cache_dir=subset.image_dir,
-            caches_beside_images=True, options=frozen({"cache_latents_to_disk": to_disk}),
+            caches_beside_images=True,
+            options=frozen({"cache_latents_to_disk": to_disk, "skip_cache_check": skip_check}),
             origins=frozen({"image_dir": subset.origin}), naming=naming,
         ))
     return Layout(NAME, source.path, tuple(datasets), tuple(problems.items), tuple(files), root,
@@ -394,6 +405,7 @@ class KohyaNaming(Naming):
     root: str
     buckets: Buckets | None  # None: settings unknown (a bare image dir), no bucket
     expects_cache: bool = True
+    skip_cache_check: bool = False  # --skip_cache_check: an npz that exists is not re-cached
 
     stem_collisions = True
 
@@ -445,8 +457,10 @@ class _Directory(DirectoryNaming):
             return CacheFacts(key=self.prefix + stem, family=arch)
         bw, bh = buckets.select(width, height)
         stride = STRIDE.get(arch, 8)
-        return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
-                          expected=(bh // stride, bw // stride), family=arch)
+        expected = (bh // stride, bw // stride)
+        return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}", expected=expected,
+                          family=arch, shape=loaded_shape(arch, meta, expected,
+                                                          self.naming.skip_cache_check))
 
     def _image_size(self, stem: str) -> tuple[int, int] | None:
         from cachedoctor.images import header_size
@@ -462,6 +476,37 @@ class _Directory(DirectoryNaming):
 
 RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
 MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
+
+
+def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
+                 skip_cache_check: bool) -> tuple[int, ...] | None:
+    """CacheFacts.shape of a kohya npz for a bucket whose latent is `expected` (h, w): the
+    shape of the latent sd-scripts trains on; None for an SD/SDXL npz without suffixed keys
+    (its one `latents` is read unchecked, CD302 compares it).
+
+    sd-scripts looks up `latents_<h>x<w>` of the bucket, whatever other sizes the file holds
+    (strategy_base.py `_default_is_disk_cached_latents_expected`, `_default_load_latents_from_disk`
+    at 48d368fa). SD/SDXL npz with suffixed keys come from PR #2269 (refs/pull/2269/head
+    58f7b4cd), which falls back to an unsuffixed `latents` of the bucket's size. A file without
+    the key is encoded again and the key added, so nothing is judged: (). With --skip_cache_check
+    the file is trusted and loading it raises ValueError: the shape of a latent of another size
+    it holds stands, for CD302."""
+    latents = {t.path[0]: t for t in meta.tensors if len(t.path) == 1
+               and isinstance(t.path[0], str) and RESO_KEY.match(t.path[0])}
+    if arch not in MULTI_RESOLUTION and all(k == "latents" for k in latents):
+        return None
+    wanted = latents.get(f"latents_{expected[0]}x{expected[1]}")
+    if wanted is not None:
+        return wanted.shape
+    legacy = latents.get("latents")
+    if arch not in MULTI_RESOLUTION and legacy is not None and tuple(legacy.shape[-2:]) == expected:
+        return legacy.shape
+    if not skip_cache_check:
+        return ()
+    # one of another size (an unsuffixed FLUX `latents` of the bucket's size is not read either,
+    # but then no shape shows it)
+    held = [t.shape for t in latents.values() if tuple(t.shape[-2:]) != expected]
+    return held[0] if held else ()
 
 
 class _Entries(Entries):
