@@ -79,7 +79,9 @@ def declared_dtype(key: str) -> str | None:
 
 def declared_frames(tensor: TensorMeta, architecture: str | None) -> tuple[int, int, int] | None:
     """(F, H, W) the tensor really has, read as musubi lays it out: [C, F, H, W], or [C, H, W]
-    for the image architectures that save F = 1 without its axis."""
+    for the image architectures that save F = 1 without its axis. Kandinsky 5's writer would
+    store a 3-D latent as [1, C, H, W]; its caching script never passes one (images are
+    one-frame videos) and its trainer reads 4-D as [C, F, H, W], so that stays a mismatch."""
     shape = tensor.shape
     if architecture == PATCH_TOKENS:
         return (1, shape[0], shape[1]) if len(shape) == 3 else None

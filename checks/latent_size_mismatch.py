@@ -4,7 +4,9 @@ divided by the VAE factor. The bucket size comes from the trainer: SimpleTuner's
 in `aspect_ratio_bucket_metadata_<id>.json` (looked up by the sha256 of the image's stem),
 kohya's bucket for the image size in the npz name under the dataset's bucket settings,
 OneTrainer's `crop_resolution` in `aggregate.pt`, ai-toolkit's `crop_width`/`crop_height` in
-the safetensors header.
+the safetensors header, musubi-tuner's bucket for the size in the file name. A Kandinsky 5
+latent cached with musubi's `--nabla_resize` may be the bucket rounded up to a multiple of
+128 px instead.
 
 kohya's FLUX, SD3, Lumina, Anima and HunyuanImage npz (and SD/SDXL ones from sd-scripts with
 PR #2269) key each latent by its size (`latents_<h>x<w>`) and may hold several. Such a file

@@ -31,6 +31,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from cachedoctor.formats import read_path
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.layouts.base import (
     CacheFacts,
@@ -68,9 +69,16 @@ ARCHITECTURES: dict[str, tuple[str, int | None, int, str]] = {
     "ho1": ("hidream_o1_image", None, 32, "hidream_o1_"),
     "i4": ("ideogram4", None, 16, "ideogram4_"),
     "kr2": ("krea2", 8, 16, "krea2_"),
+    # ERNIE-Image: not in 30c658c4's architectures.py; PR #935 (head d94e2d6) adds it, its
+    # latents patchified FLUX.2 VAE output [128, H/16, W/16] under `latents_<H>x<W>_<dtype>`
+    "ei": ("ernie_image", 16, 16, "ernie_image_"),
 }
 FULL_NAMES = {full: short for short, (full, *_) in ARCHITECTURES.items()}
 TEMPORAL_FACTOR = 4  # every video VAE musubi supports: latent frames = (frames - 1) // 4 + 1
+# kandinsky5_cache_latents.py --nabla_resize: the bucketed frames are scaled up to the next
+# multiple of 128 px before encoding (NABLA attention), so the latent is that size / 8
+NABLA_ROUND = {"k5": 128}
+NABLA_NAMES = tuple(f"_{arch}.safetensors" for arch in NABLA_ROUND)
 
 ARCH = r"(?P<arch>[a-z0-9]+)"  # musubi's short names hold no underscore
 SIZE = r"(?P<w>\d{4,})x(?P<h>\d{4,})"
@@ -368,11 +376,23 @@ def _names(path: str) -> list[str]:
 
 def media_dir(path: str) -> bool:
     """A folder holding musubi latents beside images or videos (no cache_directory set). The
-    shared listing (images, videos) first: only a folder with media is listed whole."""
+    shared listing (images, videos) first: only a folder with media is listed whole. A latent
+    of an architecture this table does not know (a newer musubi) counts when its header is
+    musubi's: one such header is read."""
     if not any(n.endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) for n in names(path)):
         return False
-    return any(n.endswith(".safetensors") and (IMAGE_LATENT.match(n) or VIDEO_LATENT.match(n))
-               and n.rsplit("_", 1)[-1][:-12] in ARCHITECTURES for n in _names(path))
+    unknown = None
+    for n in _names(path):
+        if n.endswith(".safetensors") and (IMAGE_LATENT.match(n) or VIDEO_LATENT.match(n)):
+            if n.rsplit("_", 1)[-1][:-12] in ARCHITECTURES:
+                return True
+            unknown = unknown or n
+    return unknown is not None and _musubi_header(os.path.join(path, unknown))
+
+
+def _musubi_header(path: str) -> bool:
+    metadata = read_path(path).metadata
+    return "architecture" in metadata and "format_version" in metadata
 
 
 # -- naming --------------------------------------------------------------------------------------
@@ -404,8 +424,9 @@ class MusubiNaming(Naming):
         stem = os.path.splitext(os.path.basename(image))[0]
         return f"{stem}_<W>x<H>_<arch>.safetensors"
 
-    def facts(self, name: str) -> CacheFacts:
-        """What a latent's file name says: its media stem, bucket, latent size, architecture."""
+    def facts(self, name: str, latent: tuple[int, int] | None = None) -> CacheFacts:
+        """What a latent's file name says: its media stem, bucket, latent size, architecture.
+        `latent`: the (h, w) of the file's main latent, where it is known (NABLA_ROUND)."""
         match = (VIDEO_LATENT if self.video else IMAGE_LATENT).match(name)
         if match is None:
             return CacheFacts()
@@ -424,6 +445,10 @@ class MusubiNaming(Naming):
                                    self.no_upscale, steps)
             bucket = f"{bw}x{bh}"
         expected = (bh // factor, bw // factor) if factor else None
+        step = NABLA_ROUND.get(arch)
+        if step and factor and latent == (-(-bh // step) * step // factor,
+                                          -(-bw // step) * step // factor):
+            expected = latent  # encoded with --nabla_resize
         return CacheFacts(key=key, bucket=bucket, expected=expected, family=arch)
 
 
@@ -444,10 +469,20 @@ class _Directory(DirectoryNaming):
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not name.endswith(".safetensors") or TEXT_ENTRY.match(name):
             return CacheFacts()
-        facts = self.naming.facts(name)
+        facts = self.naming.facts(name, _main_latent(meta) if name.endswith(NABLA_NAMES)
+                                  else None)
         if self.naming.video:  # videos are no images of the walk: no coverage key
             return facts._replace(key=None)
         return facts
+
+
+def _main_latent(meta: FileMeta) -> tuple[int, int] | None:
+    """(h, w) of the `latents_<F>x<H>x<W>_<dtype>` tensor, read as [C, F, H, W]."""
+    for tensor in meta.tensors:
+        key = tensor.path[0] if len(tensor.path) == 1 else None
+        if isinstance(key, str) and MAIN_LATENT_KEY.match(key) and len(tensor.shape) >= 2:
+            return tensor.shape[-2], tensor.shape[-1]
+    return None
 
 
 class _Entries(Entries):
