@@ -391,7 +391,10 @@ def media_dir(path: str) -> bool:
 
 
 def _musubi_header(path: str) -> bool:
-    metadata = read_path(path).metadata
+    try:  # (read_path reports what it cannot read; a layout guess must never raise either)
+        metadata = read_path(path).metadata
+    except Exception:
+        return False
     return "architecture" in metadata and "format_version" in metadata
 
 
