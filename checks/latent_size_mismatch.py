@@ -6,7 +6,9 @@ kohya's bucket for the image size in the npz name under the dataset's bucket set
 OneTrainer's `crop_resolution` in `aggregate.pt`, ai-toolkit's `crop_width`/`crop_height` in
 the safetensors header, musubi-tuner's bucket for the size in the file name. A Kandinsky 5
 latent cached with musubi's `--nabla_resize` may be the bucket rounded up to a multiple of
-128 px instead.
+128 px instead. SimpleTuner's factor is its `--model_family`'s: 8 for most, 16 for FLUX.2,
+ERNIE and Ideogram (patchified before caching), HunyuanVideo 1.5 and Wan 2.2 TI2V-5B, 32 for
+Sana and LTX-Video; a family whose cached latents cachedoctor does not know expects no size.
 
 kohya's FLUX, SD3, Lumina, Anima and HunyuanImage npz (and SD/SDXL ones from sd-scripts with
 PR #2269) key each latent by its size (`latents_<h>x<w>`) and may hold several. Such a file

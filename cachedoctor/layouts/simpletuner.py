@@ -23,7 +23,8 @@ What is read (simpletuner/helpers/data_backend/factory.py, configuration/env_fil
   (`fill_variables_in_config_paths`; an unset VAR becomes "" there, a CD409 here).
 - bucket files in the image dir: `aspect_ratio_bucket_indices_<suffix>.json` (bucket ->
   absolute image paths) and `aspect_ratio_bucket_metadata_<suffix>.json` (path ->
-  `target_size` [w, h]); suffix = `cache_file_suffix` or the id.
+  `target_size` [w, h]); suffix = `cache_file_suffix` or the id. A latent's expected size is
+  `target_size` over its model family's factor (`latent_factor`: 8, 16 or 32; unknown: none).
 
 Naming (caching/vae.py `generate_vae_cache_filename`): `<cache_dir_vae>/<sub>/<sha256(stem)>.pt`
 where `<sub>` is the image's folder with the configured `instance_data_dir` string removed
@@ -82,6 +83,19 @@ VIDEO_EXTENSIONS = (".mp4", ".mov", ".avi", ".webm", ".mkv", ".gif")
 SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 VAE_FACTOR = 8  # metadata/backends/base.py: vae_output_scaling_factor = 8
+# A cached latent's spatial factor against its bucket's pixel target_size, by --model_family
+# (simpletuner/helpers/models/<family>/model.py at bc8e6ab7). SimpleTuner's metadata assumes 8,
+# but caching/vae.py saves what the model's post_vae_encode_transform_sample makes: FLUX.2,
+# ERNIE and Ideogram patchify 2x2 before saving (VAE_SCALE_FACTOR = 16); Sana's DC-AE and the
+# LTX-Video VAEs compress 32x, HunyuanVideo 1.5's, MageFlow's and MiniMax H3's 16x.
+FACTORS = {"flux2": 16, "ernie": 16, "ideogram": 16, "hunyuanvideo": 16, "mageflow": 16,
+           "minimaxh3": 16, "sana": 32, "ltxvideo": 32, "ltxvideo2": 32}
+EIGHT = frozenset({  # AutoencoderKL, Qwen-Image's and Wan 2.1's VAEs, HunyuanVideo's (Kandinsky 5)
+    "sd1x", "sd2x", "legacy", "sdxl", "kolors", "sd3", "flux", "chroma", "hidream", "pixart",
+    "pixart_sigma", "smoldit", "auraflow", "lumina2", "omnigen", "qwen_image", "krea2", "anima",
+    "z_image", "z_image_omni", "longcat_image", "kandinsky5_image", "boogu_image", "wan",
+    "wan_s2v", "infinitetalk", "cosmos", "longcat_video", "kandinsky5_video", "kandinsky5-video",
+    "unknown_model"})
 
 
 # -- sniffing and discovery --------------------------------------------------------------------
@@ -240,6 +254,15 @@ class _Globals:
     processes: int
     origins: dict[str, Origin]
     args: dict[str, Any]
+    factor: int | None = VAE_FACTOR  # of the cached latents; None: not known for the family
+
+
+def latent_factor(family: str, flavour: str | None = None) -> int | None:
+    """How many pixels of the bucket's target_size one cached latent cell covers; None for a
+    family whose cached latents cachedoctor does not know (no size is then expected)."""
+    if family == "wan" and flavour and "ti2v-5b" in flavour:
+        return 16  # Wan 2.2 TI2V-5B's VAE (48 channels, 16x)
+    return FACTORS.get(family, VAE_FACTOR if family in EIGHT else None)
 
 
 def _globals(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
@@ -262,10 +285,12 @@ def _globals(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
             processes = 1
     family = args.get("model_family")
     family = family if isinstance(family, str) and family else "unknown_model"
+    flavour = args.get("model_flavour")
     output = args.get("output_dir")
     output_dir = resolve(root, output) if isinstance(output, str) and output else os.path.join(
         root, ".simpletuner_output")
-    return _Globals(root, output_dir, family, processes, origins, args)
+    return _Globals(root, output_dir, family, processes, origins, args,
+                    latent_factor(family, flavour if isinstance(flavour, str) else None))
 
 
 def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
@@ -490,15 +515,16 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         text_dir = next(iter(text_dirs.values()))
     suffix = values.get("cache_file_suffix") or ident
     buckets = _bucket_files(backend, entry, image_dir, configured, str(suffix), problems,
-                            values.get("metadata_backend", "discovery"))
+                            values.get("metadata_backend", "discovery"), g.factor)
     naming = SimpleTunerNaming(
         instance_dir=configured, image_root=image_dir, cache_root=cache_dir,
         buckets=frozen(buckets.by_key), listed=buckets.listed,
         expects_cache=not (ondemand or disabled), metadata_file=buckets.metadata_file,
+        factor=g.factor,
     )
     return Dataset(
         ident, cache_dirs=(cache_dir,), image_dirs=(image_dir,), latent_cache_dir=cache_dir,
-        text_cache_dir=text_dir, vae_factor=VAE_FACTOR, model_family=g.model_family,
+        text_cache_dir=text_dir, vae_factor=g.factor or VAE_FACTOR, model_family=g.model_family,
         processes=g.processes, options=frozen(options), origins=frozen(origins), naming=naming,
         listed_images=buckets.listed or frozenset(), listing=buckets.origin,
         expected_device=ANY_DEVICE,  # its data backends torch.load with map_location="cpu"
@@ -519,7 +545,8 @@ class _Buckets:
 
 
 def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured: str,
-                  suffix: str, problems: Problems, metadata_backend: Any) -> _Buckets:
+                  suffix: str, problems: Problems, metadata_backend: Any,
+                  factor: int | None = VAE_FACTOR) -> _Buckets:
     out = _Buckets()
     if metadata_backend not in (None, "discovery", "json"):
         return out  # parquet / huggingface metadata: not bucket JSON files
@@ -553,9 +580,9 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
             meta = sizes.get(path)
             if isinstance(meta, dict):
                 size = meta.get("target_size")
-                if isinstance(size, list) and len(size) == 2 and all(
+                if factor and isinstance(size, list) and len(size) == 2 and all(
                         isinstance(v, int) and v > 0 for v in size):
-                    target = (size[1] // VAE_FACTOR, size[0] // VAE_FACTOR)
+                    target = (size[1] // factor, size[0] // factor)
             out.by_key.setdefault(key, (str(bucket), target))
     out.listed = frozenset(listed)
     return out
@@ -618,6 +645,7 @@ class SimpleTunerNaming(Naming):
     listed: frozenset[str] | None  # images in the bucket file; None when there is none
     expects_cache: bool
     metadata_file: str | None = None  # the bucket metadata (sizes and crops), for --reencode
+    factor: int | None = VAE_FACTOR  # the cached latents' spatial factor (latent_factor)
 
     stem_collisions = True
 
@@ -709,6 +737,8 @@ class _Entries(Entries):
         naming = self.naming
         if image.lower().endswith(VIDEO_EXTENSIONS):
             raise NoSpec("a video: cachedoctor encodes images only")
+        if naming.factor != VAE_FACTOR:  # patchified or a 16x/32x VAE: not a plain /8 encode
+            raise NoSpec("its model family's cached latents are not a plain 8x VAE encode")
         path = os.path.join(naming.cache_root, vae_key(naming.instance_dir, image) + ".pt")
         meta = self._metadata_of().get(image)
         sizes = _sizes(meta)
