@@ -31,7 +31,7 @@ from cachedoctor.formats import UNREADABLE, describe_os_error, read_path
 from cachedoctor.formats.meta import EMPTY, IMAGE, UNKNOWN, FileMeta
 from cachedoctor.formats.zip_templates import Templates
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
-from cachedoctor.inventory import LATENT, TEXT, Batch, Entry, batches
+from cachedoctor.inventory import LATENT, OTHER, TEXT, Batch, Entry, batches
 from cachedoctor.layouts import Dataset, Layout, resolve
 from cachedoctor.layouts.base import ANY_DEVICE, FOLDERS
 from cachedoctor.options import ScanOptions
@@ -246,7 +246,8 @@ def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
     rules."""
     facts = row = None
     if entry.error is None:
-        if entry.role == IMAGE_ROLE:
+        if entry.role == IMAGE_ROLE or (naming.media and entry.role == OTHER
+                                        and entry.path.lower().endswith(naming.media)):
             image = naming.image(entry.path[cut:])
             if image is not None:
                 row = CoverageRow(key, IMAGE_SIDE, image[0], entry.path, meta.mtime, int(image[1]), None)

@@ -16,6 +16,9 @@ size; its expected size is the crop size / 8 for the VAE families known to use f
 Caches beside the images are by design (no CD401). A `resolution` list makes one dataset per
 resolution (config_modules.py preprocess_dataset_raw_config), all caching into the same
 folders: each image then has one entry per distinct bucket (toolkit/buckets.py).
+A video dataset (`num_frames` > 1 or `auto_frame_count`, e.g. Wan) walks videos beside the
+images; a clip's entry holds a 4-D `latent` [C, F, h, w] (and a 0-d `num_frames`), and its
+bucket adds the frame count (`<w>x<h>x<n>f`), as ai-toolkit never batches clips with images.
 
 Without a config (layouts/bare.py: an image folder holding `_latent_cache/`, a folder of them,
 or a `_latent_cache/` itself) the naming is the same with `bare`. The header's `filename` still
@@ -66,8 +69,10 @@ TITLE = "ai-toolkit"
 LATENT_DIR = "_latent_cache"
 TEXT_DIR = "_t_e_cache"
 SKIPPED_DIRS = frozenset({LATENT_DIR, TEXT_DIR, "_clip_vision_cache", "_controls"})
-# toolkit/data_loader.py image_extensions (matched lower-cased)
+# toolkit/data_loader.py image_extensions and video_extensions (matched lower-cased); a video
+# dataset (num_frames > 1 or auto_frame_count) walks both
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".webm", ".mkv", ".wmv", ".m4v", ".flv")
 FACTOR_8 = frozenset({"sd1", "sd2", "sdxl", "sd3", "flux1"})  # latent_space_version values
 
 
@@ -130,6 +135,9 @@ def load(config: ConfigFile) -> Layout:
         resolution = typed(config, problems, at, dataset, "resolution", (int, list), 512, ident,
                            "a size such as 1024 or a list of sizes")
         buckets = _buckets(dataset, resolution)
+        frames = typed(config, problems, at, dataset, "num_frames", int, 1, ident)
+        videos = frames > 1 or typed(config, problems, at, dataset, "auto_frame_count", bool,
+                                     False, ident)
         incomplete = _incomplete(directory, buckets) if to_disk and buckets is not None \
             and len(buckets.resolutions) > 1 else {}
         out.append(Dataset(
@@ -138,7 +146,7 @@ def load(config: ConfigFile) -> Layout:
             options=frozen({"cache_latents_to_disk": to_disk, "cache_text_embeddings": text}),
             origins=frozen({"image_dir": origin, "dataset": config.origin(*at)}),
             naming=AIToolkitNaming(directory, expects_cache=to_disk, buckets=buckets,
-                                   incomplete=frozen(incomplete)),
+                                   incomplete=frozen(incomplete), videos=videos),
         ))
     return Layout(NAME, config.path, tuple(out), tuple(problems.items), (config.path,), root,
                   _reason(root))
@@ -158,6 +166,10 @@ class AIToolkitNaming(Naming):
     # `_latent_cache`; a missing bucket is one that images of the same size have (`same_size_gaps`);
     # each `_latent_cache` folder is a group of its own for the dataset rules
     bare: bool = False
+    # a video dataset (num_frames > 1 or auto_frame_count): its clips are sources too. A bare
+    # scan counts clips beside a `_latent_cache` as sources that need no entry (the config says
+    # whether the dataset trains them)
+    videos: bool = False
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(changes, self)
@@ -201,6 +213,8 @@ class _Directory(DirectoryNaming):
         self.prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
         self.expects = naming.expects_cache
         self.keyed = True
+        if naming.videos or naming.bare:
+            self.media = VIDEO_EXTENSIONS
         if naming.bare:
             # without the config, images need entries only where their folder has a cache, and
             # a cache whose folder holds no image at all (copied away from its images) is judged
@@ -217,7 +231,10 @@ class _Directory(DirectoryNaming):
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.in_latents or self.skipped or name.startswith("."):
             return None
-        if not name.lower().endswith(IMAGE_EXTENSIONS):
+        lower = name.lower()
+        if lower.endswith(VIDEO_EXTENSIONS) and (self.naming.videos or self.naming.bare):
+            return self.prefix + name, self.expects and not self.naming.bare
+        if not lower.endswith(IMAGE_EXTENSIONS):
             return None
         key = self.prefix + name
         if key in self.naming.incomplete:  # one of its resolutions' entries is missing: CD404
@@ -241,7 +258,8 @@ def _holds_images(folder: str, _mtime_ns: int) -> bool:
     once per folder as it is (the mtime in the key): each batch of a big cache would ask again."""
     try:
         with os.scandir(folder) as found:
-            return any(e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith(".")
+            return any(e.name.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
+                       and not e.name.startswith(".")
                        for e in found)
     except OSError:
         return False
@@ -258,7 +276,25 @@ def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:
         return CacheFacts(key=key)
     family = info.get("latent_space_version")
     expected = (height // 8, width // 8) if family in FACTOR_8 else None
-    return CacheFacts(key=key, bucket=f"{width}x{height}", expected=expected, family=family)
+    return CacheFacts(key=key, bucket=f"{width}x{height}{_frames(meta)}", expected=expected,
+                      family=family)
+
+
+def _frames(meta: FileMeta) -> str:
+    """A clip's part of its bucket: ai-toolkit buckets a video dataset's items by crop size and
+    frame count (BucketsMixin.setup_buckets), so clips never share a batch with the dataset's
+    images (one frame) or with clips of another count. The count is `num_frames` in the header;
+    with auto_frame_count it is per clip and not in the header, so the latent's frame axis
+    stands for it."""
+    info = meta.metadata
+    if info.get("num_frames"):
+        return f"x{info['num_frames']}f"
+    if info.get("auto_frame_count") == "true":
+        latent = next((t for t in meta.tensors if t.path == ("latent",)), None)
+        if latent is not None and len(latent.shape) == 4:
+            return f"x{latent.shape[1]} latent frames"
+        return "x? frames"
+    return ""
 
 
 # -- buckets (toolkit/buckets.py, dataloader_mixins.py BucketsMixin.setup_buckets) -------------
@@ -507,6 +543,8 @@ class _Entries(Entries):
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
         from cachedoctor import images
 
+        if image.lower().endswith(VIDEO_EXTENSIONS):
+            raise NoSpec("a clip of a video dataset: cachedoctor encodes no videos")
         size = images.size(image)
         latent_dir = os.path.join(os.path.dirname(image), LATENT_DIR)
         template = _template(read_path(replacing)) if replacing is not None else None

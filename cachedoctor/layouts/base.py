@@ -135,6 +135,9 @@ class DirectoryNaming:
 
     group: str | None = None
     expected_device: str | None = None
+    # lower-cased suffixes of sources that are no images (an ai-toolkit video dataset's clips):
+    # image() is asked about those files too
+    media: tuple[str, ...] = ()
 
     def __init__(self, bucket: str | None = None) -> None:
         self.bucket = bucket

@@ -11,7 +11,8 @@ Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample, k
 model's data loader names them: `latent_image` alone for SD 1.x/2.x, PixArt and Sana, with
 `original_resolution` and `crop_offset` for SDXL, SD3, Flux and most others) and `aggregate.pt`
 beside them, written last: a list whose item i holds `image_path` and `crop_resolution` (h, w)
-of `<i>.pt`. The group hash covers the concept's whole image config with defaults filled in, so
+of `<i>.pt`; the latent is crop / 8 but for Sana (crop / 32) and Wuerstchen/Stable Cascade
+(not sized), by `model_type`. The group hash covers the concept's whole image config with defaults filled in, so
 files are mapped to images through `aggregate.pt`, read with cachedoctor's restricted unpickler,
 never torch.load. Text embeddings go to `<cache_dir>/text/...` with an aggregate of empty dicts.
 mgds saves tensors from `train_device` without `.cpu()` and loads them with
@@ -71,6 +72,10 @@ VARIATION = re.compile(r"^variation-\d+$")
 IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".jxl", ".avif")
 NOT_SAMPLES = ("-masklabel", "-condlabel")
 VAE_FACTOR = 8
+# model_type -> the latent's downscale where it is not 8: Sana's DC-AE is 1/32
+# (SanaBaseDataLoader.py masks at factor 0.03125); Wuerstchen and Stable Cascade encode a 0.75
+# scaled image with EfficientNet at 1/32 (WuerstchenBaseDataLoader.py), no whole factor: None
+VAE_FACTORS: dict[str, int | None] = {"SANA": 32, "WUERSTCHEN_2": None, "STABLE_CASCADE_1": None}
 PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
 SESSION = "#.json"  # the UI's last-session state, saved in PRESETS at every change
 SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
@@ -115,6 +120,7 @@ def load(config: ConfigFile) -> Layout:
     train_device = str(get("train_device", str, "cuda"))
     temp_device = str(get("temp_device", str, "cpu"))
     multi_gpu = bool(get("multi_gpu", bool, False))
+    factor = VAE_FACTORS.get(str(get("model_type", str, "")), VAE_FACTOR)
     indexes = str(get("device_indexes", str, ""))
     processes = (len([i for i in indexes.split(",") if i.strip()]) or 2) if multi_gpu else 1
     concepts, concepts_file = _concepts(config, root, ident, problems)
@@ -171,7 +177,7 @@ def load(config: ConfigFile) -> Layout:
         shallow_image_dirs=tuple(shallow),
         latent_cache_dir=os.path.join(cache_dir, "image"),
         text_cache_dir=os.path.join(cache_dir, "text"),
-        vae_factor=VAE_FACTOR,
+        vae_factor=factor or VAE_FACTOR,
         processes=processes,
         expected_device=ANY_DEVICE,  # mgds loads with map_location=train_device
         cache_rebuilt_at_start=clear and latent_caching,
@@ -182,6 +188,7 @@ def load(config: ConfigFile) -> Layout:
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching,
+                                vae_factor=factor,
                                 concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()}),
                                 text_gone=frozen(text_gone)),
     )
@@ -322,6 +329,7 @@ class OneTrainerNaming(Naming):
     expects_cache: bool = True
     concept_caches: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
     text_gone: Mapping[str, str] = field(default_factory=frozen)  # image -> missing text sample
+    vae_factor: int | None = VAE_FACTOR  # the model type's (VAE_FACTORS); None: not a whole one
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(self, changes)
@@ -394,7 +402,9 @@ class _Directory(DirectoryNaming):
         if crop is None:
             return CacheFacts(key=image)
         h, w = crop
-        return CacheFacts(key=image, bucket=f"{w}x{h}", expected=(h // VAE_FACTOR, w // VAE_FACTOR))
+        factor = self.naming.vae_factor
+        return CacheFacts(key=image, bucket=f"{w}x{h}",
+                          expected=(h // factor, w // factor) if factor else None)
 
 
 # -- rebuilds (fix) ------------------------------------------------------------------------------
@@ -491,6 +501,9 @@ class _Entries(Entries):
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
         from cachedoctor import images
 
+        if self.naming.vae_factor is None:
+            raise NoSpec("the model type's latents have no whole VAE factor (Wuerstchen, Stable "
+                         "Cascade): cachedoctor cannot size one")
         text = self.naming.text_gone.get(image)
         if text is not None and replacing is None:
             raise NoSpec(f"its text-encoder sample is what is missing, which cachedoctor cannot "
@@ -517,7 +530,7 @@ class _Entries(Entries):
         extras = {k: (list(v) if kinds[k] == "list" else v) for k, v in values.items() if k in kinds}
         return EntrySpec(image, replacing, EntryFormat(
             fmt.container, LATENT_KEY, fmt.dtype, fmt.channels, location=fmt.location,
-            extras=extras), geometry, geometry.latent_size(VAE_FACTOR))
+            extras=extras), geometry, geometry.latent_size(self.naming.vae_factor))
 
     def _format(self, folder: str) -> tuple[EntryFormat, dict[str, str]]:
         """The container, dtype, channels and device most healthy samples of the folder share,
