@@ -246,8 +246,8 @@ def _place(entry: Entry, meta: FileMeta, naming, cut: int, key: str,
     rules."""
     facts = row = None
     if entry.error is None:
-        if entry.role == IMAGE_ROLE or (naming.media and entry.role == OTHER
-                                        and entry.path.lower().endswith(naming.media)):
+        if entry.role == IMAGE_ROLE or (naming.source_suffixes and entry.role == OTHER and
+                                        entry.path.lower().endswith(naming.source_suffixes)):
             image = naming.image(entry.path[cut:])
             if image is not None:
                 row = CoverageRow(key, IMAGE_SIDE, image[0], entry.path, meta.mtime, int(image[1]), None)

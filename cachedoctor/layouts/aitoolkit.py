@@ -214,7 +214,7 @@ class _Directory(DirectoryNaming):
         self.expects = naming.expects_cache
         self.keyed = True
         if naming.videos or naming.bare:
-            self.media = VIDEO_EXTENSIONS
+            self.source_suffixes = VIDEO_EXTENSIONS
         if naming.bare:
             # without the config, images need entries only where their folder has a cache, and
             # a cache whose folder holds no image at all (copied away from its images) is judged

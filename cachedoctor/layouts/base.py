@@ -137,7 +137,7 @@ class DirectoryNaming:
     expected_device: str | None = None
     # lower-cased suffixes of sources that are no images (an ai-toolkit video dataset's clips):
     # image() is asked about those files too
-    media: tuple[str, ...] = ()
+    source_suffixes: tuple[str, ...] = ()
 
     def __init__(self, bucket: str | None = None) -> None:
         self.bucket = bucket
