@@ -442,24 +442,37 @@ def test_a_directory_of_clean_files_is_one_row_and_any_change_is_read_again(
     first = scan(root)
     assert _counts(root) == (3, 0)  # one row per directory, no row per file
     target = root / "latents" / "01" / "img_1_005.safetensors"
+    _apply(change, target, target.with_name("img_1_999.safetensors"))
+    after = _rescanned(root, first, change, 60)
+    if change is _truncate:
+        assert any(f.code == "CD101" and f.path == str(target) for f in after.findings)
+
+
+def _apply(change, target: Path, new: Path) -> None:
+    """`change` (a function of the file, "add" a copy as `new`, "delete", None) to `target`."""
     if change == "add":
-        shutil.copy2(target, target.with_name("img_1_999.safetensors"))
+        shutil.copy2(target, new)
     elif change == "delete":
         target.unlink()
     elif change is not None:
         change(target)
+
+
+def _rescanned(root: Path, first: engine.Report, change, total: int) -> engine.Report:
+    """The rescan after `change`: what a fresh scan finds, having read the changed or new file
+    only; the scan after it reads nothing more (but a file with a finding: a file modified in
+    the last RACY_NS is not recorded either)."""
     after = scan(root)
     assert same(after, fresh(root))
-    if change is _truncate:
-        assert any(f.code == "CD101" and f.path == str(target) for f in after.findings)
     if change is None:
-        assert same(after, first) and after.index["reused"] == 60
+        assert same(after, first) and after.index["reused"] == total
     elif change == "delete":
-        assert after.index["reused"] == 59 and after.index["read"] == 0
+        assert after.index["reused"] == total - 1 and after.index["read"] == 0
     else:  # the changed or new file is read again, the others reused
         assert after.index["read"] == 1 and after.files == after.index["reused"] + 1
-    again = scan(root)  # (a file modified in the last RACY_NS is not recorded: read again)
+    again = scan(root)
     assert same(again, after) and again.index["read"] == (change is _truncate)
+    return after
 
 
 @pytest.mark.parametrize("change", [None, _touch, _same_size_new_inode, _truncate, "add", "delete"])
@@ -475,27 +488,14 @@ def test_a_big_directory_is_a_row_per_batch_and_any_change_is_read_again(
     chunks = _counts(root)[0]
     assert chunks > 3 and _counts(root) == (chunks, 0)
     target = folder / "img_0_300.safetensors"
-    if change == "add":  # a name that does not end a batch (one that does splits its batch in
-        # two: the new half has no row, and its files are read again)
-        name = next(n for n in (f"new_{i}.safetensors" for i in range(100))
-                    if zlib.crc32(n.encode()) % 32)
-        shutil.copy2(target, folder / name)
-    elif change == "delete":
-        target.unlink()
-    elif change is not None:
-        change(target)
-    after = scan(root)
-    assert same(after, fresh(root))
-    if change is None:
-        assert same(after, first) and after.index["reused"] == 600
-    elif change == "delete":
-        assert after.index["reused"] == 599 and after.index["read"] == 0
-    else:
-        assert after.index["read"] == 1 and after.files == after.index["reused"] + 1
-    again = scan(root)
-    assert same(again, after) and again.index["read"] == (change is _truncate)
+    # a new name that does not end a batch (one that does splits its batch in two: the new
+    # half has no row, and its files are read again)
+    name = next(n for n in (f"new_{i}.safetensors" for i in range(100))
+                if zlib.crc32(n.encode()) % 32)
+    _apply(change, target, folder / name)
+    after = _rescanned(root, first, change, 600)
     if change is not _truncate:  # (file by file once, then its batch's row is made anew)
-        assert scan(root).index["reused"] == again.files and _counts(root)[1] == 0
+        assert scan(root).index["reused"] == after.files and _counts(root)[1] == 0
 
 
 def test_a_changed_directory_gets_its_fast_row_back(tmp_path: Path) -> None:
