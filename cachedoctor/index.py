@@ -82,7 +82,8 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS texts (id INTEGER PRIMARY KEY, text TEXT);
 CREATE TABLE IF NOT EXISTS dirs (
     key INTEGER PRIMARY KEY, dir INTEGER, scope INTEGER, fp BLOB, files INTEGER, bytes INTEGER,
-    summaries TEXT, coverage TEXT, detail BLOB
+    summaries TEXT, coverage TEXT, detail BLOB,
+    shard TEXT  -- "<rank>/<world>" for a rank of a sharded scan, else NULL
 );
 CREATE TABLE IF NOT EXISTS scans (
     id TEXT PRIMARY KEY, started_ns INTEGER, finished_ns INTEGER, files INTEGER, reused INTEGER
@@ -694,6 +695,7 @@ class Session:
                  since: int | None, notices: list[str],
                  shard: tuple[int, int] | None = None) -> None:
         self.db, self.where, self.stamp, self.shard = db, where, stamp, shard
+        self.shard_text = None if shard is None else f"{shard[0]}/{shard[1]}"
         self.exclude, self.keep_paths, self.since = exclude, keep_paths, since
         self.notices = notices
         self.started = fs_now(where if db is not None else None)
@@ -825,7 +827,7 @@ class Session:
         if all(r[10] is None and r[3] < self.started - RACY_NS for r in ordered):
             made = folder_row(key, ordered, names)
             if made is not None:
-                self.folders.append(made[1])
+                self.folders.append((*made[1], self.shard_text))
                 self.dropped.extend((folder_id, n) for n in self.from_files)
 
     def _folder(self, key: int) -> tuple | None:
@@ -1005,7 +1007,7 @@ class Session:
         if records.folder is not None:
             newest, folder = records.folder
             if self.db is not None and whole and newest < racy and not self.old:
-                self.folders.append(folder)
+                self.folders.append((*folder, self.shard_text))
                 if listed is not None:
                     self.dropped.extend((listed[0], n) for n in listed[1])
                 self.new_texts.extend(records.texts)
@@ -1045,7 +1047,7 @@ class Session:
                 self.db.executemany("INSERT OR IGNORE INTO texts VALUES (?, ?)", texts)
                 # a chunk's `dirs` row replaces its files' `files` rows
                 self.db.executemany("DELETE FROM files WHERE dir = ? AND name = ?", dropped)
-                self.db.executemany("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?,?,?,?,?)",
+                self.db.executemany("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?,?,?,?,?,?)",
                                     folders)
                 self.db.executemany("DELETE FROM dirs WHERE key = ?", [(k,) for k in stale])
                 rows.sort(key=_KEY)  # in key order: half the b-tree work of the walk's order
@@ -1093,7 +1095,8 @@ class Session:
         by scans of other targets keeps theirs: they still exist), and texts no row names."""
         assert self.db is not None
         if self.walked:
-            old = [(k,) for k, d in self.db.execute("SELECT key, dir FROM dirs")
+            # (rows of a sharded scan's ranks are theirs: an unsharded scan sees none of them)
+            old = [(k,) for k, d in self.db.execute("SELECT key, dir FROM dirs WHERE shard IS NULL")
                    if d in self.walked and k not in self.seen]
             if old:
                 self.db.execute("BEGIN IMMEDIATE")

@@ -575,3 +575,22 @@ def test_diffusion_pipe_shards_are_judged_every_time(tmp_path: Path) -> None:
         db_file.write_bytes(b"not a database" * 100)
     after = scan(cache)
     assert same(after, fresh(cache)) and any(f.severity >= Severity.WARNING for f in after.findings)
+
+
+def test_a_big_directory_scanned_with_other_options_in_turn(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scans of one index with --exclude, as ranks of a sharded preflight and plain, in turn:
+    each finds what a scan without the index finds with the same options (an excluded name
+    leaves its batch without a row; each rank keeps rows of its own), and the plain rescan at
+    the end reads nothing."""
+    monkeypatch.setattr(engine, "BATCH", 64)
+    root = _latents(tmp_path / "cache", folders=1, per=600)
+    runs = [{}, {"exclude": ("*img_0_3*",)}, {"shard": (0, 2)}, {"shard": (1, 2)}, {},
+            {"shard": (0, 2)}, {"exclude": ("*img_0_3*",)}]
+    for changes in runs:
+        report = scan(root, **changes)
+        assert same(report, fresh(root, **changes)), changes
+    # (a sharded rank's file findings are its own files'; dataset rules see every rank's)
+    assert scan(root, shard=(0, 2)).index["read"] == 0
+    last = scan(root)
+    assert last.index["read"] == 0 and last.index["reused"] == 600 and same(last, fresh(root))
