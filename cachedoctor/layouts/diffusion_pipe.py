@@ -11,8 +11,10 @@ config's folder, else (a config in a sub-folder of that working dir) its parent.
 buckets, the text embeddings are in `ar_frames_<AR>_<frames>/`), each a sharded cache (metadata.db + shard_<n>.bin, see
 formats/shard_blobs.py) and `iteration_order/`. The model name is the model class's `name`,
 mostly the configured type; where the folder of that name is absent, all of `<path>/cache/` is
-checked. A cache inside the image dir is by design (no CD401), and a size bucket's folder is its
-bucket: its latents must share one shape.
+checked, each model's folder as a dataset of its own when there are several (a Wan type caches
+in `wan_i2v/`, `wan2.2_5b/`, ... by its checkpoint, models/wan/wan.py). A cache inside the
+image dir is by design (no CD401), and a size bucket's folder is its bucket: its latents must
+share one shape.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 
 from cachedoctor.layouts import sources
 from cachedoctor.layouts.base import Dataset, Layout, TargetError, frozen
-from cachedoctor.layouts.common import Problems, ending, listdir, typed, unique
+from cachedoctor.layouts.common import Problems, ending, listdir, subdirs, typed, unique
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 
@@ -49,12 +51,19 @@ def bare_datasets(path: str, name: str) -> tuple[Dataset, ...]:
     """The datasets of a `[[directory]]` folder scanned with no config: one per model cache
     under `cache/` (an SDXL and a FLUX cache of one folder are never compared)."""
     cache = os.path.join(path, CACHE_DIR)
-    models = sorted(m for m in os.listdir(cache) if os.path.isdir(os.path.join(cache, m)))
+    models = model_folders(cache)
     return tuple(Dataset(
         name if len(models) == 1 else f"{name} ({model})",
         cache_dirs=(os.path.join(cache, model),), image_dirs=(path,),
         shallow_image_dirs=(path,), latent_cache_dir=os.path.join(cache, model),
         caches_beside_images=True, model_family=model) for model in models)
+
+
+def model_folders(cache: str) -> list[str]:
+    """The model caches under `<path>/cache/`: its sub-folders, less our own `.cachedoctor/`
+    (a scan that fell back to all of `cache/` keeps its index there) and other dot-folders,
+    which diffusion-pipe never names."""
+    return subdirs(cache, lambda n: not n.startswith("."))
 
 
 def claims(config: ConfigFile) -> bool:
@@ -168,13 +177,20 @@ def _datasets(config: ConfigFile, model_type: str | None, problems: Problems, fi
         if not os.path.isdir(folder):
             problems.missing(origin, "path", value, folder, reason, ident)
         cache = os.path.join(folder, CACHE_DIR)
+        caches = [(ident, cache)]
         if model_type:
             named = os.path.join(cache, MODEL_NAMES.get(model_type, model_type))
-            cache = named if os.path.isdir(named) else cache
-        out.append(Dataset(
-            ident, cache_dirs=(cache,), image_dirs=(folder,), shallow_image_dirs=(folder,),
-            latent_cache_dir=cache, caches_beside_images=True,
+            models = [] if os.path.isdir(named) else model_folders(cache)
+            if os.path.isdir(named):
+                caches = [(ident, named)]
+            elif len(models) > 1:
+                # the class name is not the type (Wan: wan_i2v, wan2.2_5b, skyreels_v2; LTX:
+                # the checkpoint's stem): each model's cache is judged apart, never compared
+                caches = [(f"{ident} ({m})", os.path.join(cache, m)) for m in models]
+        out += [Dataset(
+            name, cache_dirs=(where,), image_dirs=(folder,), shallow_image_dirs=(folder,),
+            latent_cache_dir=where, caches_beside_images=True,
             model_family=model_type,
             origins=frozen({"image_dir": origin, "dataset": config.origin(*at)}),
-        ))
+        ) for name, where in caches]
     return Layout(NAME, files[0], tuple(out), tuple(problems.items), tuple(files), base, reason)

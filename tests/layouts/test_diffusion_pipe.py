@@ -353,3 +353,57 @@ def test_config_problems_are_findings(tmp_path: Path) -> None:
     report = scan_paths(project.config)
     assert [f.details["key"] for f in by_code(report, "CD409")] == ["path"]
     assert "gone" in by_code(report, "CD408")[0].message
+
+
+def _second_model_cache(project, name: str, channels: int) -> Path:
+    """Another model's cache beside the fixture's, as a Wan checkpoint names it (models/wan/
+    wan.py: `wan_i2v`, `wan2.2_5b`, ... never the configured type 'wan')."""
+    import torch
+
+    cache = dp.cache_of(project).parent / name
+    items = [{"latents": torch.randn(channels, 1, 8, 8, generator=torch.Generator().manual_seed(s))
+              .to(torch.bfloat16)} for s in range(3)]
+    dp.write_cache(cache / dp.bucket_dir(64, 64) / "latents", items)
+    return cache
+
+
+def test_a_wan_type_with_two_checkpoint_named_caches_compares_neither_with_the_other(
+        tmp_path: Path) -> None:
+    """type 'wan' caches in a folder named by the checkpoint: with no `cache/wan/` and two
+    model folders, each is a dataset of its own (it was one: CD303 across the models)."""
+    project = dp.build(tmp_path)
+    project.config.write_text(project.config.read_text().replace("type = 'flux'", "type = 'wan'"))
+    other = _second_model_cache(project, "wan2.2_5b", 48)
+    (layout,) = resolve([str(project.config)])
+    assert [d.cache_dirs for d in layout.datasets] == [
+        (str(dp.cache_of(project)),), (str(other),)]
+    assert [d.id for d in layout.datasets] == ["dataset (flux)", "dataset (wan2.2_5b)"]
+    assert scan_paths(project.config).findings == ()
+    # a real defect in one of them is still found, on its path
+    project = dp.build(tmp_path / "defect", defects={"zeroed-blob"})
+    project.config.write_text(project.config.read_text().replace("type = 'flux'", "type = 'wan'"))
+    _second_model_cache(project, "wan2.2_5b", 48)
+    expected = {path for hits in project.expected.values() for path, _ in hits}
+    assert {(f.code, f.path) for f in serious(scan_paths(project.config))} == {
+        ("CD101", path) for path in expected}
+
+
+def test_our_index_in_the_cache_folder_is_no_model_cache(tmp_path: Path) -> None:
+    """A config scan that falls back to all of `cache/` keeps its index in
+    `cache/.cachedoctor/`; a later bare scan of the `[[directory]]` folder took that for a
+    model cache and reported CD107 on index.sqlite."""
+    project = dp.build(tmp_path)
+    project.config.write_text(project.config.read_text().replace("type = 'flux'", "type = 'wan'"))
+    assert scan_paths(project.config).findings == ()
+    assert (dp.cache_of(project).parent / ".cachedoctor").is_dir()
+    dataset = tmp_path / "dataset"
+    assert scan_paths(dataset).findings == ()
+    (layout,) = resolve([str(dataset)])
+    assert [d.cache_dirs for d in layout.datasets] == [(str(dp.cache_of(project)),)]
+    shard = latents_of(project) / "shard_0.bin"  # a real defect still fires, bare
+    offset, size = dp.shard_rows(latents_of(project), 0)[0]
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(size))
+    assert {(f.code, f.path) for f in serious(scan_paths(dataset))} == {
+        ("CD101", f"{shard}@{offset}")}
