@@ -13,7 +13,11 @@ Sana and LTX-Video; a family whose cached latents cachedoctor does not know expe
 kohya's FLUX, SD3, Lumina, Anima and HunyuanImage npz (and SD/SDXL ones from sd-scripts with
 PR #2269) key each latent by its size (`latents_<h>x<w>`) and may hold several. Such a file
 is judged by the key of its bucket: one without it is reported only when the config sets
-`skip_cache_check`.
+`skip_cache_check` (or the deprecated `skip_latents_validity_check`, which sd-scripts' full
+FLUX, SD3, Lumina and Anima fine-tune scripts take for it; it is read for those npz only).
+Datasets that share an image dir (one set of images trained at two resolutions) share its npz
+files: each file is judged for every one of them, and reported for the first whose bucket it
+fails.
 
 ## Why is this bad?
 The trainer does not check: kohya's `is_disk_cached_latents_expected` looks only for keys, and
@@ -25,7 +29,7 @@ sample without a word.
 kohya's size-keyed npz are the exception: sd-scripts encodes an image again when its file lacks
 the bucket's key, and adds the key to the file. With `skip_cache_check` it trusts any file that
 exists, and training stops with `ValueError: latents_<h>x<w> not found in <file>` when it first
-loads that image.
+loads that image, for whichever dataset's bucket lacks its key.
 
 ## Example
 ```

@@ -61,6 +61,8 @@ STRIDE = {"hi": 32}  # HunyuanImage; every other arch: 8
 # hunyuan_image}.py at 48d368fa): their npz keys end `_<h>x<w>` of the latent, since 6ab48b09
 # (2024-08-20) for FLUX; an unsuffixed `latents` there is never read.
 MULTI_RESOLUTION = frozenset({"flux", "sd3", "lumina", "anima", "hi"})
+# the archs whose full fine-tune script maps --skip_latents_validity_check onto skip_cache_check
+DEPRECATED_SKIP_ARCHS = frozenset({"flux", "sd3", "lumina", "anima"})
 # train_util.IMAGE_EXTENSIONS: matched case-sensitively by glob on Linux
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".avif",
                     ".PNG", ".JPG", ".JPEG", ".WEBP", ".BMP", ".AVIF")
@@ -175,21 +177,37 @@ def _layout(args_file: ConfigFile | None, dataset_file: ConfigFile | None) -> La
     ids = unique(os.path.basename(s.image_dir.rstrip(os.sep)) or s.image_dir for s in subsets)
     to_disk = args.get("cache_latents_to_disk")
     # --skip_cache_check: an existing npz is trusted without opening it (strategy_base.py
-    # `_default_is_disk_cached_latents_expected`). The full fine-tune scripts' deprecated
-    # --skip_latents_validity_check is mapped onto it by those scripts alone: not read here.
+    # `_default_is_disk_cached_latents_expected`).
     skip_check = args.get("skip_cache_check") is True
+    # The deprecated --skip_latents_validity_check is mapped onto it by the full fine-tune
+    # scripts of FLUX, SD3, Lumina and Anima alone (flux_train.py, flux_train_control_net.py,
+    # sd3_train.py, lumina_train.py, anima_train.py `train`; not fine_tune.py, sdxl_train.py or
+    # the *_train_network.py scripts): read for those archs' npz.
+    deprecated = args.get("skip_latents_validity_check") is True
+    skip_archs = DEPRECATED_SKIP_ARCHS if deprecated and not skip_check else frozenset()
+    # Datasets sharing an image dir share its npz files (two resolutions of one FLUX run): the
+    # dir is walked once, so each subset's naming also knows the others' buckets.
+    shared: dict[str, list[Buckets]] = {}
+    for subset in subsets:
+        if subset.buckets is not None:
+            shared.setdefault(os.path.realpath(subset.image_dir), []).append(subset.buckets)
     datasets = []
     for ident, subset in zip(ids, subsets, strict=True):
         if not os.path.isdir(subset.image_dir):
             problems.missing(subset.origin, "image_dir", subset.value, subset.image_dir,
                              _reason(root), ident)
+        others = list(shared.get(os.path.realpath(subset.image_dir), ()))
+        if subset.buckets in others:
+            others.remove(subset.buckets)
         naming = KohyaNaming(root=subset.image_dir, buckets=subset.buckets,
-                             expects_cache=to_disk is not False, skip_cache_check=skip_check)
+                             expects_cache=to_disk is not False, skip_cache_check=skip_check,
+                             skip_archs=skip_archs, others=tuple(others))
         datasets.append(Dataset(
             ident, image_dirs=(subset.image_dir,), shallow_image_dirs=(subset.image_dir,),
             latent_cache_dir=subset.image_dir, text_cache_dir=subset.image_dir,
             caches_beside_images=True,
-            options=frozen({"cache_latents_to_disk": to_disk, "skip_cache_check": skip_check}),
+            options=frozen({"cache_latents_to_disk": to_disk, "skip_cache_check": skip_check,
+                            "skip_latents_validity_check": deprecated}),
             origins=frozen({"image_dir": subset.origin}), naming=naming,
         ))
     return Layout(NAME, source.path, tuple(datasets), tuple(problems.items), tuple(files), root,
@@ -406,6 +424,8 @@ class KohyaNaming(Naming):
     buckets: Buckets | None  # None: settings unknown (a bare image dir), no bucket
     expects_cache: bool = True
     skip_cache_check: bool = False  # --skip_cache_check: an npz that exists is not re-cached
+    skip_archs: frozenset[str] = frozenset()  # trusted as well (--skip_latents_validity_check)
+    others: tuple[Buckets, ...] = ()  # the buckets of the other datasets of this image dir
 
     stem_collisions = True
 
@@ -455,12 +475,20 @@ class _Directory(DirectoryNaming):
         width, height = int(match["w"]), int(match["h"])
         if buckets is None or width == 0 or height == 0:
             return CacheFacts(key=self.prefix + stem, family=arch)
-        bw, bh = buckets.select(width, height)
         stride = STRIDE.get(arch, 8)
-        expected = (bh // stride, bw // stride)
-        return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}", expected=expected,
-                          family=arch, shape=loaded_shape(arch, meta, expected,
-                                                          self.naming.skip_cache_check))
+        skip = self.naming.skip_cache_check or arch in self.naming.skip_archs
+        judged = []
+        for settings in (buckets, *self.naming.others):
+            bw, bh = settings.select(width, height)
+            expected = (bh // stride, bw // stride)
+            facts = CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}", expected=expected,
+                               family=arch, shape=loaded_shape(arch, meta, expected, skip))
+            judged.append(facts)
+            if _fails(facts, meta):
+                # sd-scripts loads the file for every dataset of the dir: the first one it
+                # fails for is the finding (the dir's own dataset's first)
+                return facts
+        return judged[0]
 
     def _image_size(self, stem: str) -> tuple[int, int] | None:
         from cachedoctor.images import header_size
@@ -470,6 +498,15 @@ class _Directory(DirectoryNaming):
             if size is not None:
                 return size if size[0] > 0 and size[1] > 0 else None
         return None
+
+
+def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
+    """Whether the latent sd-scripts loads for these facts is not of their expected size: the
+    facts' shape, else (None) the file's one `latents`."""
+    shape = facts.shape
+    if shape is None:
+        shape = next((t.shape for t in meta.tensors if t.path == ("latents",)), None)
+    return bool(shape) and len(shape) >= 2 and tuple(shape[-2:]) != facts.expected
 
 
 # -- entries (fix --reencode) ------------------------------------------------------------------

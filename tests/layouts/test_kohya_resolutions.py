@@ -18,6 +18,7 @@ from PIL import Image
 
 from cachedoctor.fixtures.clean import kohya_arrays
 from cachedoctor.fixtures.projects import encode, kohya
+from cachedoctor.layouts import resolve
 from cachedoctor.layouts.kohya import Buckets
 
 from conftest import by_code, scan_paths
@@ -32,9 +33,12 @@ def alarms(config: Path) -> list:
 
 
 def project(tmp_path: Path, passes: Iterable[int] | dict[str, Iterable[int]],
-            skip_cache_check: bool = False) -> tuple[Path, Path]:
+            skip_cache_check: bool = False, flag: str = "skip_cache_check",
+            second: int | None = None) -> tuple[Path, Path]:
     """The kohya project with a `_flux.npz` per image holding the caching passes' resolutions
-    (128, 192, 256) in that order; `passes` maps an image stem to its own, the others get "*"'s."""
+    (128, 192, 256) in that order; `passes` maps an image stem to its own, the others get "*"'s.
+    `flag`: the argument that sets skip_cache_check; `second`: the resolution of a second
+    [[datasets]] on the same image dir (training one set of images at two resolutions)."""
     built = kohya.build(tmp_path / "k")
     folder = built.root / "train" / kohya.DATASET
     for old in folder.glob("*_sdxl.npz"):
@@ -42,7 +46,13 @@ def project(tmp_path: Path, passes: Iterable[int] | dict[str, Iterable[int]],
     if skip_cache_check:
         config = built.config.read_text()
         built.config.write_text(config.replace("[dataset_arguments]\n",
-                                               "[dataset_arguments]\nskip_cache_check = true\n"))
+                                               f"[dataset_arguments]\n{flag} = true\n"))
+    if second is not None:
+        toml = built.root / "dataset.toml"
+        text = toml.read_text()
+        first = text[text.index("[[datasets]]"):]
+        toml.write_text(text + "\n" + first.replace("resolution = 256",
+                                                     f"resolution = {second}"))
     plan = passes if isinstance(passes, dict) else {"*": passes}
     for seed, image in enumerate(sorted(folder.glob("*.png"))):
         width, height = Image.open(image).size
@@ -108,3 +118,49 @@ def test_sdxl_npz_with_pr_2269_keys_are_judged_by_their_bucket_s_key(skip_cache_
         == ["img_000_0256x0256_sdxl.npz"]
     (only,) = by_code(report, "CD302")
     assert only.message.startswith("latent is 24x24 (h x w); bucket 256x256 needs 32x32")
+
+
+# -- two datasets on one image dir (FLUX at two resolutions), --skip_latents_validity_check ------
+
+
+def test_two_datasets_on_one_dir_each_judge_the_npz_under_skip_cache_check(tmp_path: Path) -> None:
+    """Datasets at 256 and 192 on one image dir share its npz files (kohya names them by the
+    image's size): sd-scripts loads each for both datasets, so under skip_cache_check one that
+    lacks the 192 dataset's key stops training even when it holds the 256 one's. The datasets
+    get ids of their own."""
+    lacking = {"img_000": (256,), "img_101": (256,)}
+    config, folder = project(tmp_path, {**lacking, "*": (192, 256)}, skip_cache_check=True,
+                             second=192)
+    report = scan_paths(config)
+    assert [d.id for d in resolve([str(config)])[0].datasets] == ["10_person", "10_person (2)"]
+    found = {Path(f.path).name: f for f in by_code(report, "CD302")}
+    assert set(found) == {next(folder.glob(f"{stem}_*_flux.npz")).name for stem in lacking}
+    first = found["img_000_0256x0256_flux.npz"]
+    assert first.message.startswith("no latents_24x24 for bucket 192x192 (it holds a 32x32 "
+                                    "latent): with skip_cache_check"), first.message
+    assert {f.code for f in report.findings if f.severity >= 2} <= {"CD301", "CD302"}
+
+
+@pytest.mark.parametrize("skip_cache_check", [False, True])
+@pytest.mark.parametrize("passes", [(192, 256), (256, 192)], ids=["192-then-256", "256-then-192"])
+def test_two_datasets_on_one_dir_with_every_key_are_clean(passes: tuple[int, ...],
+                                                          skip_cache_check: bool,
+                                                          tmp_path: Path) -> None:
+    config, _ = project(tmp_path, passes, skip_cache_check, second=192)
+    assert alarms(config) == []
+
+
+def test_two_datasets_on_one_dir_without_skip_cache_check_are_encoded_again(tmp_path: Path) -> None:
+    """Without skip_cache_check sd-scripts encodes the image again for the dataset whose key
+    is missing and adds it to the file: nothing to report."""
+    config, _ = project(tmp_path, (256,), second=192)
+    assert alarms(config) == []
+
+
+def test_skip_latents_validity_check_is_skip_cache_check_for_flux(tmp_path: Path) -> None:
+    """flux_train.py (and sd3_, lumina_, anima_train.py, flux_train_control_net.py) map the
+    deprecated --skip_latents_validity_check onto skip_cache_check at 48d368fa."""
+    config, folder = project(tmp_path, {"img_000": (192,), "*": (256,)}, skip_cache_check=True,
+                             flag="skip_latents_validity_check")
+    assert [Path(f.path).name for f in by_code(scan_paths(config), "CD302")] \
+        == [next(folder.glob("img_000_*_flux.npz")).name]
