@@ -182,8 +182,10 @@ def _layout(args_file: ConfigFile | None, dataset_file: ConfigFile | None) -> La
     # The deprecated --skip_latents_validity_check is mapped onto it by the full fine-tune
     # scripts of FLUX, SD3, Lumina and Anima alone (flux_train.py, flux_train_control_net.py,
     # sd3_train.py, lumina_train.py, anima_train.py `train`; not fine_tune.py, sdxl_train.py or
-    # the *_train_network.py scripts): read for those archs' npz.
-    deprecated = args.get("skip_latents_validity_check") is True
+    # the *_train_network.py scripts): read for those archs' npz, and not in a LoRA config
+    # (`network_module` set: a *_train_network.py script keeps the unknown key and ignores it;
+    # reading it there would report npz files that script simply encodes again).
+    deprecated = args.get("skip_latents_validity_check") is True and not args.get("network_module")
     skip_archs = DEPRECATED_SKIP_ARCHS if deprecated and not skip_check else frozenset()
     # Datasets sharing an image dir share its npz files (two resolutions of one FLUX run): the
     # dir is walked once, so each subset's naming also knows the others' buckets.

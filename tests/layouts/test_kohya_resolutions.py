@@ -159,8 +159,15 @@ def test_two_datasets_on_one_dir_without_skip_cache_check_are_encoded_again(tmp_
 
 def test_skip_latents_validity_check_is_skip_cache_check_for_flux(tmp_path: Path) -> None:
     """flux_train.py (and sd3_, lumina_, anima_train.py, flux_train_control_net.py) map the
-    deprecated --skip_latents_validity_check onto skip_cache_check at 48d368fa."""
+    deprecated --skip_latents_validity_check onto skip_cache_check at 48d368fa; the LoRA
+    scripts do not."""
     config, folder = project(tmp_path, {"img_000": (192,), "*": (256,)}, skip_cache_check=True,
                              flag="skip_latents_validity_check")
+    # a LoRA config (network_module: a *_train_network.py script) keeps the key unread, and
+    # encodes the npz again
+    assert "network_module" in config.read_text() and not by_code(scan_paths(config), "CD302")
+    # flux_train.py's config (a full fine-tune: no network_module) is trusted as it is
+    config.write_text("".join(line for line in config.read_text().splitlines(keepends=True)
+                              if not line.startswith("network_module")))
     assert [Path(f.path).name for f in by_code(scan_paths(config), "CD302")] \
         == [next(folder.glob("img_000_*_flux.npz")).name]
