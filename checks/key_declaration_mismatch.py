@@ -42,7 +42,7 @@ import re
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta, TensorMeta
-from cachedoctor.layouts.musubi import IMAGE_LATENT, VIDEO_LATENT
+from cachedoctor.layouts.musubi import IMAGE_LATENT, LATENT_KEY, VIDEO_LATENT
 from cachedoctor.rule import Rule, RuleContext
 from cachedoctor.units import shape_text
 
@@ -52,7 +52,6 @@ DTYPES = tuple(sorted((
     "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
     "float8_e4m3fnuz", "float8_e5m2fnuz", "int64", "int32", "int16", "int8", "uint8", "bool",
     "complex64", "complex128"), key=len, reverse=True))
-LATENT_KEY = re.compile(r"^latents_(?:[a-z0-9_]+_)?(?P<f>\d+)x(?P<h>\d+)x(?P<w>\d+)_[a-z0-9_]+$")
 # `latents_<H>x<W>_<dtype>`, no frame axis: save_latent_cache_flux_2 ([C, H, W], controls
 # `latents_control_<i>_<H>x<W>_` each of its own size) and save_pixel_cache_hidream_o1's
 # controls ([H patches, W patches, D]) (cache_io.py, kohya-ss/musubi-tuner 30c658c4). A 3-D
