@@ -13,8 +13,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import os
-from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cachedoctor.findings import Finding, Severity
@@ -22,6 +22,7 @@ from cachedoctor.units import count
 
 if TYPE_CHECKING:
     from cachedoctor.rule import Rule, RuleContext
+    from cachedoctor.summary import DatasetView, FileSummary
 
 CLEAR = 2 / 3  # the share of the files the largest group needs
 EXAMPLES = 3  # files named per group in a split's message and details
@@ -50,6 +51,60 @@ def decide(counts: Counter) -> Verdict | None:
     # exact in integers: n / total >= 2/3
     clear = 3 * n >= 2 * total and n > second
     return Verdict(top if clear else None, counts, total)
+
+
+class PerFolder:
+    """One value per file (`value`: None for a file not compared), decided per folder group
+    and family of a dataset: the verdicts, the selector and the pass over the files that the
+    rules comparing one value (CD303's channels, CD305's embedding keys) share. `value` reads
+    the fields a summary and its tally Group both have (role, shape, dtype, signature)."""
+
+    def __init__(self, view: DatasetView, value: Callable[[Any], Hashable | None]) -> None:
+        counts: dict[tuple, Counter] = defaultdict(Counter)
+        for g, n in view.tally().items():
+            v = value(g)
+            if v is not None:
+                counts[(g.group, g.family)][v] += n
+        self.value = value
+        self.verdicts = {key: verdict for key, c in counts.items()
+                         if (verdict := decide(c)) is not None}
+        # after `minorities`: per split group, its values' example paths
+        self.split: dict[tuple, dict[Hashable, list[str]]] = defaultdict(lambda: defaultdict(list))
+
+    def selector(self) -> Callable[[FileSummary], tuple | None] | None:
+        """The files of the minority values, and a few of each side of a split."""
+        if not self.verdicts:
+            return None
+
+        def wanted(s: FileSummary) -> tuple | None:
+            v = self.value(s)
+            verdict = self.verdicts.get((s.group, s.family)) if v is not None else None
+            if verdict is None:
+                return None
+            if verdict.split:
+                return ((s.group, s.family), v), EXAMPLES
+            return (((s.group, s.family), v), None) if v != verdict.major else None
+
+        return wanted
+
+    def minorities(self, view: DatasetView) -> Iterator[tuple[FileSummary, Hashable, Verdict]]:
+        """Each file whose value is not its group's clear majority, with the value and the
+        verdict; the examples of split groups go to `split`."""
+        if not self.verdicts:
+            return
+        for s in view:
+            v = self.value(s)
+            verdict = self.verdicts.get((s.group, s.family)) if v is not None else None
+            if verdict is None:
+                continue
+            if verdict.split:
+                keep(self.split[(s.group, s.family)][v], s.path)
+            elif v != verdict.major:
+                yield s, v, verdict
+
+    def splits(self) -> list[tuple[tuple, dict[Hashable, list[str]]]]:
+        """((group, family), {value: example paths}) of each split, in a stable order."""
+        return sorted(self.split.items(), key=lambda kv: str(kv[0]))
 
 
 def examples(paths: Iterable[str], limit: int = EXAMPLES) -> list[str]:

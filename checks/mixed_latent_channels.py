@@ -34,15 +34,14 @@ of its own. Give each model family a cache dir of its own (SimpleTuner's default
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import EXAMPLES, Verdict, decide, keep, place, split_finding
+from cachedoctor.majority import PerFolder, place, split_finding
 from cachedoctor.rule import Rule, RuleContext, Selector
-from cachedoctor.summary import DatasetView, FileSummary
+from cachedoctor.summary import DatasetView, FileSummary, Group
 
 
 def channels(shape: tuple[int, ...]) -> int | None:
@@ -62,61 +61,28 @@ def _counted(shape: tuple[int, ...] | None, dtype: str | None) -> int | None:
     return channels(shape) if shape and dtype is not None else None
 
 
-def _verdicts(view: DatasetView) -> dict[tuple, Verdict]:
-    """Per (group, family), the verdict over its latents' channel counts."""
-    counts: dict[tuple, Counter] = defaultdict(Counter)
-    for g, n in view.tally().items():
-        c = _counted(g.shape, g.dtype)
-        if g.role == LATENT and c is not None:
-            counts[(g.group, g.family)][c] += n
-    verdicts: dict[tuple, Verdict] = {}
-    for key, c in counts.items():
-        if (verdict := decide(c)) is not None:
-            verdicts[key] = verdict
-    return verdicts
+def _channels(s: FileSummary | Group) -> int | None:
+    return _counted(s.shape, s.dtype) if s.role == LATENT else None
 
 
 def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
     """The latents of the minority channel counts, and a few of each side of a split."""
-    verdicts = _verdicts(view)
-    if not verdicts:
-        return None
-
-    def wanted(s: FileSummary) -> tuple | None:
-        c = _counted(s.shape, s.dtype) if s.role == LATENT else None
-        verdict = verdicts.get((s.group, s.family)) if c is not None else None
-        if verdict is None:
-            return None
-        if verdict.split:
-            return ((s.group, s.family), c), EXAMPLES
-        return (((s.group, s.family), c), None) if c != verdict.major else None
-
-    return wanted
+    return PerFolder(view, _channels).selector()
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    verdicts = _verdicts(view)
-    if not verdicts:
-        return
-    split: dict[tuple, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for s in view:
-        c = _counted(s.shape, s.dtype) if s.role == LATENT else None
-        verdict = verdicts.get((s.group, s.family)) if c is not None else None
-        if verdict is None:
-            continue
-        if verdict.split:
-            keep(split[(s.group, s.family)][c], s.path)
-        elif c != verdict.major:
-            yield RULE.finding(
-                s.path,
-                f"{c} channels where {verdict.counts[verdict.major]:,} of {verdict.total:,} "
-                f"latents in this dataset have {verdict.major}: a latent of another VAE family",
-                ctx, channels=c, majority_channels=verdict.major, shape=list(s.shape),
-            )
-    for (group, family), files in sorted(split.items(), key=lambda kv: str(kv[0])):
+    compared = PerFolder(view, _channels)
+    for s, c, verdict in compared.minorities(view):
+        yield RULE.finding(
+            s.path,
+            f"{c} channels where {verdict.counts[verdict.major]:,} of {verdict.total:,} "
+            f"latents in this dataset have {verdict.major}: a latent of another VAE family",
+            ctx, channels=c, majority_channels=verdict.major, shape=list(s.shape),
+        )
+    for (group, family), files in compared.splits():
         where = place(group, ctx.facts.latent_cache_dir if ctx.facts else None, files)
         subject = f"latents ({family})" if family else "latents"
-        yield split_finding(RULE, where, ctx, subject, verdicts[(group, family)],
+        yield split_finding(RULE, where, ctx, subject, compared.verdicts[(group, family)],
                             lambda c: f"{c} channels", files)
 
 

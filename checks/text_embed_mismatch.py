@@ -31,15 +31,14 @@ captions again. A split is yours to settle: give each text encoder a cache dir o
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import TEXT
-from cachedoctor.majority import EXAMPLES, Verdict, decide, keep, place, split_finding
+from cachedoctor.majority import PerFolder, place, split_finding
 from cachedoctor.rule import Rule, RuleContext, Selector
-from cachedoctor.summary import DatasetView, FileSummary
+from cachedoctor.summary import DatasetView, FileSummary, Group
 
 # keys whose last dimension is a sequence length, not a feature size
 SEQUENCE_KEY = re.compile(r"(mask|ids|tokens|time_ids)", re.IGNORECASE)
@@ -64,62 +63,30 @@ def _label(signature: tuple) -> str:
     return ", ".join(f"{k}[{d}]" if d is not None else k for k, d in signature) or "<none>"
 
 
-def _verdicts(view: DatasetView) -> dict[tuple, Verdict]:
-    """Per (group, family), the verdict over its embeddings' signatures."""
-    counts: dict[tuple, Counter] = defaultdict(Counter)
-    for g, n in view.tally().items():
-        if g.role == TEXT and g.signature:
-            counts[(g.group, g.family)][normalized(g.signature)] += n
-    verdicts: dict[tuple, Verdict] = {}
-    for key, c in counts.items():
-        if (verdict := decide(c)) is not None:
-            verdicts[key] = verdict
-    return verdicts
+def _signature(s: FileSummary | Group) -> tuple | None:
+    return normalized(s.signature) if s.role == TEXT and s.signature else None
 
 
 def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
     """The embeddings of the minority signatures, and a few of each side of a split."""
-    verdicts = _verdicts(view)
-    if not verdicts:
-        return None
-
-    def wanted(s: FileSummary) -> tuple | None:
-        verdict = verdicts.get((s.group, s.family)) if s.role == TEXT and s.signature else None
-        if verdict is None:
-            return None
-        mine = normalized(s.signature)
-        if verdict.split:
-            return ((s.group, s.family), mine), EXAMPLES
-        return (((s.group, s.family), mine), None) if mine != verdict.major else None
-
-    return wanted
+    return PerFolder(view, _signature).selector()
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    verdicts = _verdicts(view)
-    if not verdicts:
-        return
-    split: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
-
-    for s in view:
-        verdict = verdicts.get((s.group, s.family)) if s.role == TEXT and s.signature else None
-        if verdict is None:
-            continue
-        mine = normalized(s.signature)
-        if verdict.split:
-            keep(split[(s.group, s.family)][mine], s.path)
-        elif mine != verdict.major:
-            yield RULE.finding(
-                s.path,
-                f"keys or sizes differ from {verdict.counts[verdict.major]:,} of {verdict.total:,} "
-                f"embeddings in this dataset: {describe(verdict.major, mine)}",
-                ctx, signature=[list(k) for k in mine],
-                majority_signature=[list(k) for k in verdict.major],
-            )
-    for (group, family), files in sorted(split.items(), key=lambda kv: str(kv[0])):
+    compared = PerFolder(view, _signature)
+    for s, mine, verdict in compared.minorities(view):
+        yield RULE.finding(
+            s.path,
+            f"keys or sizes differ from {verdict.counts[verdict.major]:,} of {verdict.total:,} "
+            f"embeddings in this dataset: {describe(verdict.major, mine)}",
+            ctx, signature=[list(k) for k in mine],
+            majority_signature=[list(k) for k in verdict.major],
+        )
+    for (group, family), files in compared.splits():
         where = place(group, ctx.facts.text_cache_dir if ctx.facts else None, files)
         subject = f"text embeddings ({family})" if family else "text embeddings"
-        yield split_finding(RULE, where, ctx, subject, verdicts[(group, family)], _label, files)
+        yield split_finding(RULE, where, ctx, subject, compared.verdicts[(group, family)], _label,
+                            files)
 
 
 RULE = Rule(
