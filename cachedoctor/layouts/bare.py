@@ -93,10 +93,19 @@ def dataset_folder(directory: str, root: str) -> str:
     return folder
 
 
+# what a kohya npz adds to its image's stem, besides `_<W>x<H>_<arch>.npz`
+KOHYA_STEM = re.compile(r"(_te_outputs|_(sd3|flux|lumina|anima|hi)_te)?\.npz$")
+
+
 def _kohya_image_dir(path: str) -> bool:
+    """Images beside kohya npz files: `<stem>_<W>x<H>_<arch>.npz`, or an image's legacy
+    `<stem>.npz` (written before v0.9.0: train_util.py `save_latents_to_disk` at v0.8.7
+    bfb352bc; still read, strategy_sd.py `get_latents_npz_path`) or text encoder outputs
+    (`<stem>_te_outputs.npz` since 516f64f4, `<stem>_<arch>_te.npz`), cached without latents."""
     found = names(path)
-    return any(n.endswith(".npz") and kohya.LATENT_NAME.match(n) for n in found) and any(
-        n.endswith(kohya.IMAGE_EXTENSIONS) for n in found)
+    stems = {os.path.splitext(n)[0] for n in found if n.endswith(kohya.IMAGE_EXTENSIONS)}
+    return bool(stems) and any(n.endswith(".npz") and (
+        kohya.LATENT_NAME.match(n) is not None or KOHYA_STEM.sub("", n) in stems) for n in found)
 
 
 def _aitoolkit_caches(path: str) -> list[str]:
