@@ -157,9 +157,9 @@ def _digest(listing: bytes) -> bytes:
 class Recorder:
     """A worker's side of the index (one per ScanState). Per file the worker only appends a
     tuple to `files`; `take` makes the batch's records at once: one `dirs` row for a whole
-    clean directory (its lists built by C loops, a summary text per run of equal summaries),
-    else a row per file. The JSON texts many files share (a summary but for its
-    path and mtime) are made once."""
+    clean batch (its lists built by C loops, a summary text per run of equal summaries), else
+    a row per file. The JSON texts many files share (a summary but for its path and mtime)
+    are made once."""
 
     def __init__(self) -> None:
         self.memo: dict[tuple, int] = {}  # a summary's facts -> its text's id
@@ -225,7 +225,7 @@ class Recorder:
         if covers.count(None) != len(covers):
             covers = [None if c is None else _COVER(c) for c in covers]
         try:
-            runs = [[self._summary(key), len(list(run))] for key, run in itertools.groupby(facts)]
+            runs = [[self._summary(same), len(list(run))] for same, run in itertools.groupby(facts)]
         except (TypeError, ValueError, RecursionError):
             return None  # (file by file: the file whose summary has no JSON form is left out)
         return _dir_row(key, dir_id, scope_id, names, list(map(_DONE_STAT, done)),
@@ -707,9 +707,8 @@ class Session:
         self.folders: list[tuple] = []  # `dirs` rows to write
         self.stale: list[int] = []  # chunks read whole whose `dirs` row is out of date
         self.whole: set[int] = set()  # chunks whose every file went to the readers
-        self.listed: dict[int, tuple[int, list[bytes]]] = {}  # chunk -> its `files` rows' names
+        self.listed: dict[int, list[bytes]] = {}  # chunk read whole -> its `files` rows' names
         self.seen: set[int] = set()  # the chunks of this scan
-        self.from_files: list[bytes] = []  # names of the `files` rows the last lookup found
         self.dropped: list[tuple[int, bytes]] = []  # `files` rows a `dirs` row replaces
         self.walked: set[int] = set()  # the directories of this scan
         self.new_texts: list[tuple[int, str | bytes]] = []
@@ -756,7 +755,7 @@ class Session:
         if folder is not None and self.since is None and self._bulk(folder, batch, names, reused):
             return [], reused
         # (only recordable files; the whole directory's rows at once when it is one batch)
-        rows = self._lookup(batch.directory, names, first and batch.part == "", folder)
+        rows, from_files = self._lookup(batch.directory, names, first and batch.part == "", folder)
         if not rows and self.since is None:  # nothing on record (a first scan): read them all
             if whole:
                 self.whole.add(key)
@@ -814,21 +813,27 @@ class Session:
             reused.summaries.append(encode(batch.dataset, summaries))
         if whole and len(keep) == len(names):
             self.whole.add(key)
-            if self.from_files:  # (replaced by its `dirs` row, if the chunk is clean)
-                self.listed[key] = (folder_id, self.from_files)
+            if from_files:  # (replaced by its `dirs` row, if the chunk is clean)
+                self.listed[key] = from_files
         elif whole and not keep and since is None and self.db is not None:
-            self._refresh(key, folder_id, names, rows)
+            self._refresh(key, folder_id, names, rows, from_files)
         return keep, reused
 
-    def _refresh(self, key: int, folder_id: int, names: Any, rows: dict[str, tuple]) -> None:
+    def _refresh(self, key: int, folder_id: int, names: Any, rows: dict[str, tuple],
+                 from_files: list[bytes]) -> None:
         """A new `dirs` row for a chunk whose every file was reused one by one (its row was
         out of date, or missing): the next rescan takes the fast path again."""
         ordered = [(folder_id, n.encode(FS, "surrogateescape"), *rows[n][1:]) for n in names]
         if all(r[10] is None and r[3] < self.started - RACY_NS for r in ordered):
             made = folder_row(key, ordered, names)
             if made is not None:
-                self.folders.append((*made[1], self.shard_text))
-                self.dropped.extend((folder_id, n) for n in self.from_files)
+                self._keep(made[1], from_files)
+
+    def _keep(self, folder: tuple, replaced: Iterable[bytes]) -> None:
+        """Write a chunk's `dirs` row, and drop the `files` rows of `replaced` names in its
+        directory (folder[1]) that it stands for."""
+        self.folders.append((*folder, self.shard_text))
+        self.dropped.extend((folder[1], n) for n in replaced)
 
     def _folder(self, key: int) -> tuple | None:
         """The chunk's `dirs` row, if any."""
@@ -943,14 +948,14 @@ class Session:
         return found, summary, coverage
 
     def _lookup(self, directory: str, names: Any, at_once: bool, folder: tuple | None
-                ) -> dict[str, tuple]:
+                ) -> tuple[dict[str, tuple], list[bytes]]:
         """The rows of `names` in `directory` (and the texts they name, into self.texts): the
-        `dirs` row's files, then the `files` rows (newer; their names into self.from_files),
-        the whole directory's at once when it is one batch (a big directory comes in several
-        batches: those ask for their names)."""
-        self.from_files = []
+        `dirs` row's files, then the `files` rows (newer), the whole directory's at once when
+        it is one batch (a big directory comes in several batches: those ask for their
+        names); and the names of the `files` rows found."""
+        listed: list[bytes] = []
         if self.db is None or not names or self.empty:
-            return {}
+            return {}, listed
         found = {}
         if folder is not None:
             with contextlib.suppress(Exception):  # written by something else: files rows only
@@ -960,7 +965,6 @@ class Session:
         columns = ("SELECT name, size, mtime_ns, ino, dev, ctime_ns, scope, bytes, summary, "
                    "findings, side, key, flag, note FROM files WHERE dir = ?")
         try:
-            listed = self.from_files
             if at_once:
                 wanted = set(names)
                 for row in self.db.execute(columns, (folder_id,)):
@@ -983,8 +987,8 @@ class Session:
                 self._fetch(list(wanted))
         except (sqlite3.Error, TypeError, ValueError) as exc:
             self._drop(f"cannot read the index {self.where} ({exc}): reading every file")
-            return {}
-        return found
+            return {}, []
+        return found, listed
 
     def judged(self, findings: list[Finding]) -> list[Finding]:
         """The file findings of a batch just read, without those of files that did not change
@@ -1007,9 +1011,7 @@ class Session:
         if records.folder is not None:
             newest, folder = records.folder
             if self.db is not None and whole and newest < racy and not self.old:
-                self.folders.append((*folder, self.shard_text))
-                if listed is not None:
-                    self.dropped.extend((listed[0], n) for n in listed[1])
+                self._keep(folder, listed or ())
                 self.new_texts.extend(records.texts)
                 self._maybe_flush()
                 return
