@@ -102,9 +102,14 @@ class PerFolder:
             elif v != verdict.major:
                 yield s, v, verdict
 
-    def splits(self) -> list[tuple[tuple, dict[Hashable, list[str]]]]:
-        """((group, family), {value: example paths}) of each split, in a stable order."""
-        return sorted(self.split.items(), key=lambda kv: str(kv[0]))
+    def split_findings(self, rule: Rule, ctx: RuleContext, configured: str | None, noun: str,
+                       label: Callable[[Any], str]) -> Iterator[Finding]:
+        """After `minorities`: the warning of each split (`noun`: "latents"; `configured`: the
+        dataset's cache dir, if the config names one), in a stable order."""
+        for (group, family), files in sorted(self.split.items(), key=lambda kv: str(kv[0])):
+            yield split_finding(rule, place(group, configured, files), ctx,
+                                f"{noun} ({family})" if family else noun,
+                                self.verdicts[(group, family)], label, files)
 
 
 def examples(paths: Iterable[str], limit: int = EXAMPLES) -> list[str]:

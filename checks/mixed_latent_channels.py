@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import LATENT
-from cachedoctor.majority import PerFolder, place, split_finding
+from cachedoctor.majority import PerFolder
 from cachedoctor.rule import Rule, RuleContext, Selector
 from cachedoctor.summary import DatasetView, FileSummary, Group
 
@@ -79,11 +79,8 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             f"latents in this dataset have {verdict.major}: a latent of another VAE family",
             ctx, channels=c, majority_channels=verdict.major, shape=list(s.shape),
         )
-    for (group, family), files in compared.splits():
-        where = place(group, ctx.facts.latent_cache_dir if ctx.facts else None, files)
-        subject = f"latents ({family})" if family else "latents"
-        yield split_finding(RULE, where, ctx, subject, compared.verdicts[(group, family)],
-                            lambda c: f"{c} channels", files)
+    yield from compared.split_findings(RULE, ctx, ctx.facts.latent_cache_dir if ctx.facts else None,
+                                       "latents", lambda c: f"{c} channels")
 
 
 RULE = Rule(

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.inventory import TEXT
-from cachedoctor.majority import PerFolder, place, split_finding
+from cachedoctor.majority import PerFolder
 from cachedoctor.rule import Rule, RuleContext, Selector
 from cachedoctor.summary import DatasetView, FileSummary, Group
 
@@ -82,11 +82,8 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             ctx, signature=[list(k) for k in mine],
             majority_signature=[list(k) for k in verdict.major],
         )
-    for (group, family), files in compared.splits():
-        where = place(group, ctx.facts.text_cache_dir if ctx.facts else None, files)
-        subject = f"text embeddings ({family})" if family else "text embeddings"
-        yield split_finding(RULE, where, ctx, subject, compared.verdicts[(group, family)], _label,
-                            files)
+    yield from compared.split_findings(RULE, ctx, ctx.facts.text_cache_dir if ctx.facts else None,
+                                       "text embeddings", _label)
 
 
 RULE = Rule(
