@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import tracemalloc
 import zlib
 from pathlib import Path
 
@@ -522,6 +523,23 @@ def test_a_tampered_directory_row_is_read_file_by_file_or_again(tmp_path: Path) 
         db.execute("UPDATE dirs SET detail = 'cos\\nsystem\\n', fp = x'00'")
     tampered = scan(root)
     assert same(tampered, expected) and tampered.index["reused"] == 0
+    # a deflate bomb for a detail: inflated no further than the row's file count allows
+    scan(root)
+    bomb = zlib.compress(bytes(64 << 20), 9)
+    with sqlite3.connect(root / ".cachedoctor" / index.NAME) as db:
+        db.execute("UPDATE dirs SET detail = ?, fp = x'00'", (bomb,))
+        folder = db.execute("SELECT key, dir, scope, fp, files, bytes, summaries, coverage, "
+                            "detail FROM dirs").fetchone()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError):
+            index._folder_rows(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20  # (inflated whole: 64 MiB)
+    bombed = scan(root)
+    assert same(bombed, expected) and bombed.index["reused"] == 0
 
 
 def test_changed_since_in_a_directory_of_clean_files(tmp_path: Path) -> None:
