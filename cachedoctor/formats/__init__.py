@@ -235,6 +235,9 @@ def _merged(meta: FileMeta, other: FileMeta) -> FileMeta:
     )
 
 
+_NO_PLAN = object()
+
+
 def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -> FileMeta:
     # a torch file laid out like one already read needs no directory parse, and one that also
     # holds the same data.pkl no read (--deep: no read but of its CRCs and values)
@@ -244,13 +247,19 @@ def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -
         template, prefix = seen
         records = template.record_bytes(windows)
         twin = template.twin(records, path, deep)
-        crcs = template.crcs(windows) if deep and twin is not None and prefix.isascii() \
-            else None
-        if crcs is not None:
-            if records not in template.plans:  # what to read of its twins, worked out once
-                template.plans[records] = torch_zip.twin_plan(src, twin, template.directory)
-            return torch_zip.read_twin(src, path, twin, template.directory, crcs, prefix,
-                                       template.plans[records])
+        if deep and twin is not None and prefix.isascii():
+            plan = template.plans.get(records, _NO_PLAN)
+            if plan is _NO_PLAN:  # what to read of its twins, worked out once
+                plan = template.plans[records] = torch_zip.twin_plan(
+                    src, twin, template.directory, template.crc_offsets, template.records)
+            whole = src.buffer
+            if plan is not None and whole is not None and len(whole) == src.size and \
+                    torch_zip.clean(whole, plan):
+                return twin.renamed(path)  # (read_twin's answer, at the cost of the checks)
+            crcs = template.crcs(windows)
+            if crcs is not None:
+                return torch_zip.read_twin(src, path, twin, template.directory, crcs, prefix,
+                                           plan)
         if not deep:  # (--deep reads this file's own directory: its own CRCs)
             if twin is not None:
                 return twin

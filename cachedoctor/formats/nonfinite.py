@@ -72,6 +72,25 @@ def _count_bad(bits, dtype: str) -> int:
     return _whole((bits & mask) >= threshold, parts, any)
 
 
+def none_test(dtype: str, big_endian: bool = False) -> tuple | None:
+    """_count_bad's proof that a block holds no NaN/Inf, prepared once for a plan that tests
+    many blocks of one dtype: (unsigned dtype, signed dtype, unsigned top, signed top). A block
+    `bits` (of the unsigned dtype) holds none when `bits.max() < unsigned top` and
+    `bits.view(signed dtype).max() < signed top`. None for the formats without a sign bit or
+    with a single NaN pattern, which _count_bad tests otherwise."""
+    import numpy as np
+
+    if dtype not in _TESTS:
+        return None
+    code, _, mask, threshold = _TESTS[dtype]
+    sign = mask + 1
+    if sign >= 1 << (8 * int(code[1:])):
+        return None  # (e8m0: no sign)
+    order = ">" if big_endian else "<"
+    return (np.dtype(order + code), np.dtype(order + code.replace("u", "i")), sign | threshold,
+            threshold)
+
+
 def _whole(flags, parts: int, combine) -> int:
     """How many elements `flags` (one per value) marks: for complex elements, by `combine`
     (any, all) of their two parts."""

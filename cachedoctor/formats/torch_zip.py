@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import struct
 from dataclasses import dataclass
 
 from cachedoctor.formats import crc as checksum
 from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
-from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, nonfinite_offsets
+from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, none_test, nonfinite_offsets
 from cachedoctor.formats.source import BytesSource, Source
 from cachedoctor.formats.torch_tensors import clip, is_dense, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
@@ -109,22 +111,35 @@ class TwinPlan:
     # (data offset, size, dtype, tensor indices, their begins, their ends) per storage and dtype
     storages: tuple[tuple[int, int, str, tuple[int, ...], object, object], ...]
     big: bool
+    # clean(): the recorded CRC32s, all in one unpack from the central directory
+    crc_at: int = 0
+    crc_unpack: struct.Struct | None = None
+    # the entries whose bytes are a twin's records (data.pkl, version, byteorder), equal in every
+    # twin, or empty: (their CRCs taken from a list of all, the CRCs their bytes have)
+    fixed: tuple[operator.itemgetter | None, tuple[int, ...]] = (None, ())
+    varying: tuple[tuple[int, int, int], ...] = ()  # (index, start, end): CRC32 read per file
+    # per storage, nonfinite.none_test's proof of no NaN/Inf: (offset, count, *test); None
+    # when a dtype has none (clean() then always says no)
+    values: tuple[tuple, ...] | None = None
 
 
-def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory) -> TwinPlan | None:
+def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory,
+              crc_offsets: tuple[int, ...] = (),
+              records: tuple[tuple[int, int], ...] = ()) -> TwinPlan | None:
     """The TwinPlan of `twin` (read from a file of `directory`'s layout, as `src` is), or None
-    when the general path must read its twins (a deflated entry, a strided view)."""
+    when the general path must read its twins (a deflated entry, a strided view). With the
+    template's `crc_offsets` and `records` spans, the plan also serves clean()."""
 
     entries = directory.entries
     cut = entries[0].name.find("/") + 1
     if any(e.method != STORED for e in entries):
         return None
-    records = {ascii_fold(e.name[cut:]): e for e in entries}
+    by_name = {ascii_fold(e.name[cut:]): e for e in entries}
     groups: dict[tuple[str, str], list[int]] = {}
     for i, meta in enumerate(twin.tensors):
         if meta.dtype not in FLOAT_DTYPES or meta.numel == 0 or meta.storage_bytes is None:
             continue
-        record = records.get(ascii_fold(f"data/{meta.storage_key}"))
+        record = by_name.get(ascii_fold(f"data/{meta.storage_key}"))
         if record is None or meta.extent()[1] > meta.storage_bytes:
             continue  # (not counted by read() either)
         if not is_dense(meta) or meta.itemsize != itemsize(meta.dtype):
@@ -132,12 +147,70 @@ def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory) -> TwinPlan 
         groups.setdefault((meta.storage_key, meta.dtype), []).append(i)
     storages = []
     for (key, dtype), group in groups.items():
-        record = records[ascii_fold(f"data/{key}")]
+        record = by_name[ascii_fold(f"data/{key}")]
         begins, ends, _ = _extents(twin.tensors, group)
         storages.append((record.data_offset, record.size, dtype, tuple(group), begins, ends))
-    big = _Reader(src, "", True, directory)._big_endian(records)
-    return TwinPlan(tuple((e.data_offset, e.size, e.name[cut:]) for e in entries),
+    big = _Reader(src, "", True, directory)._big_endian(by_name)
+    plan = TwinPlan(tuple((e.data_offset, e.size, e.name[cut:]) for e in entries),
                     tuple(storages), big)
+    if len(crc_offsets) != len(entries):
+        return plan
+    return dataclasses.replace(plan, **_clean_plan(src, entries, crc_offsets, records, storages,
+                                                   big))
+
+
+def _clean_plan(src: Source, entries: tuple[ZipEntry, ...], crc_offsets: tuple[int, ...],
+                records: tuple[tuple[int, int], ...], storages: list, big: bool) -> dict:
+    """clean()'s part of a TwinPlan."""
+    layout, cursor = ["<"], crc_offsets[0]
+    for at in crc_offsets:  # (ascending: the directory's entries in order)
+        layout.append(f"{at - cursor}xI")
+        cursor = at + 4
+    fixed, actual, varying = [], [], []
+    for i, e in enumerate(entries):
+        start, end = e.data_offset, e.data_offset + e.size
+        if start == end or any(a <= start and end <= b for a, b in records):
+            fixed.append(i)  # the same bytes in every twin: their CRC is worked out once
+            actual.append(checksum.crc32(src.pread(start, e.size)) if e.size else 0)
+        else:
+            actual.append(0)
+            varying.append((i, start, end))
+    getter = operator.itemgetter(*fixed) if fixed else None
+    values = []
+    for offset, size, dtype, *_ in storages:
+        test = none_test(dtype, big)
+        if test is None:
+            return {}
+        values.append((offset, size // test[0].itemsize, *test))
+    return {"crc_at": crc_offsets[0], "crc_unpack": struct.Struct("".join(layout)),
+            "fixed": (getter, getter(actual) if getter else ()), "varying": tuple(varying),
+            "values": tuple(values)}
+
+
+def clean(data: bytes, plan: TwinPlan) -> bool:
+    """Whether a twin's bytes (`data`, the whole file) hold nothing --deep would report: every
+    CRC32 its central directory records right, no NaN/Inf in any float storage. True is then
+    read_twin's answer (the twin's facts); False says only that read_twin must look (a CRC32
+    not recorded, a NaN, a wrong CRC), and costs it nothing but this call. The cheapest
+    proof: one unpack of the CRCs, the records' compared to theirs worked out once, the
+    others' read, and two reductions per storage (nonfinite.none_test)."""
+    if plan.values is None or plan.crc_unpack is None:
+        return False
+    recorded = plan.crc_unpack.unpack_from(data, plan.crc_at)
+    getter, expected = plan.fixed
+    if getter is not None and getter(recorded) != expected:
+        return False
+    crc32, whole = checksum.crc32, memoryview(data)
+    for i, start, end in plan.varying:
+        if crc32(whole[start:end]) != recorded[i]:
+            return False
+    from numpy import frombuffer
+
+    for offset, count, unsigned, signed, top, signed_top in plan.values:
+        bits = frombuffer(data, unsigned, count, offset)
+        if bits.max() >= top or bits.view(signed).max() >= signed_top:
+            return False
+    return True
 
 
 def read_twin(src: Source, path: str, twin: FileMeta, directory: ZipDirectory,

@@ -274,3 +274,35 @@ def test_files_of_one_layout_read_alike_with_templates(tmp_path, monkeypatch, wh
     assert [bool(read_path(str(p), deep=True).crc_errors) for p in paths] == [
         False, False, False, False, True, True, False, False]
     assert dict(read_path(str(paths[6]), deep=True).nonfinite) == {(): 1}
+
+
+def test_twins_report_a_wrong_crc_in_any_entry(tmp_path):
+    """A twin proven clean in one pass (torch_zip.clean: the records' recorded CRC32s compared
+    with theirs, worked out once; two reductions per storage) still reports a recorded CRC32
+    of data.pkl that is wrong, a flipped byte in an entry only it holds (serialization_id),
+    and a negative or a positive NaN/Inf, as a full read does."""
+    paths = []
+    for i, planted in enumerate((None, None, None, None, {500: -float("inf")},
+                                 {900: float("nan")})):
+        path = tmp_path / f"{i:02d}.pt"
+        torch.save(latent(torch.float16, planted), path)
+        paths.append(path)
+    with zipfile.ZipFile(paths[2]) as z:
+        pkl = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+        own = [i for i in z.infolist() if i.filename.endswith("/.data/serialization_id")]
+    data = paths[2].read_bytes()
+    paths[2].write_bytes(data.replace(pkl.CRC.to_bytes(4, "little"),
+                                      (pkl.CRC ^ 0x10).to_bytes(4, "little")))
+    if own:  # (torch writes one since 2.4)
+        local = paths[3].read_bytes()[own[0].header_offset:]
+        names, extra = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+        flip(paths[3], own[0].header_offset + 30 + names + extra + 5)
+    templates = Templates()
+    for path in paths:
+        alone = read_path(str(path), deep=True)
+        assert read_path(str(path), deep=True, templates=templates) == alone
+    errors = [read_path(str(p), deep=True, templates=templates).crc_errors for p in paths]
+    assert "data.pkl" in errors[2][0] and len(errors[2]) == 1
+    assert bool(errors[3]) == bool(own) and not errors[0] and not errors[1]
+    assert [dict(read_path(str(p), deep=True, templates=templates).nonfinite)
+            for p in paths[4:]] == [{(): 1}, {(): 1}]
