@@ -180,7 +180,7 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
         return _read_gzip(src, path, deep, templates)
     if fmt == ZIP:
         return _read_zip(src, path, deep, templates)  # torch.load and np.load read a zip as nothing else
-    meta = _read_as_sniffed(src, path, deep, fmt, head)
+    meta = _read_as_sniffed(src, path, deep, fmt, head, templates)
     ext, promised = os.path.splitext(path)[1].lower(), extension_format(path)
     if fmt == EMPTY or promised is None:
         return meta  # a foreign name meets no loader
@@ -199,7 +199,10 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
     return meta
 
 
-def _read_as_sniffed(src: Source, path: str, deep: bool, fmt: str, head: bytes) -> FileMeta:
+def _read_as_sniffed(src: Source, path: str, deep: bool, fmt: str, head: bytes,
+                     templates: Templates | None = None) -> FileMeta:
+    if fmt == SAFETENSORS and templates is not None:  # files with one header: parsed once
+        return safetensors_header.read(src, path, deep, templates.headers)
     if fmt in READERS:
         return READERS[fmt].read(src, path, deep)
     if fmt in (EMPTY, IMAGE):
@@ -229,6 +232,7 @@ def _merged(meta: FileMeta, other: FileMeta) -> FileMeta:
     note = f"it also reads as a {other.format} stream naming {len(other.globals):,} globals"
     return dataclasses.replace(
         meta,
+        same_as=None,  # (facts of its own now: no other file's verdict fits it)
         globals=tuple(dict.fromkeys(meta.globals + other.globals)),
         unsafe_globals=tuple(dict.fromkeys(meta.unsafe_globals + other.unsafe_globals)),
         notes=(*meta.notes, note),

@@ -135,12 +135,14 @@ class Templates:
     in one process, in threads or one after the other, never match against each other's files;
     a read given none learns nothing and matches nothing."""
 
-    __slots__ = ("_spans", "by_size", "count")
+    __slots__ = ("_spans", "by_size", "count", "headers")
 
     def __init__(self) -> None:
         self.by_size: dict[int, list[Template]] = {}
         self._spans: dict[int, tuple[tuple[int, int], ...]] = {}  # by size: all spans, merged
         self.count = 0
+        # safetensors files read sound, by size and header bytes (safetensors_header.Known)
+        self.headers: dict[tuple[int, bytes], object] = {}
 
     def match(self, size: int, windows: tuple[Window, ...]) -> tuple[Template, str] | None:
         """If the file of `size` bytes whose `windows` these are is laid out like a file seen

@@ -376,3 +376,50 @@ def _nonfinite(t: torch.Tensor) -> int:
     if t.is_complex():
         return int((~torch.isfinite(torch.view_as_real(t))).any(-1).sum())
     return int((~torch.isfinite(t.to(torch.float64))).sum())  # float8 has no isfinite
+
+
+def test_files_of_one_header_read_alike_with_a_scans_memo(tmp_path):
+    """A scan parses a header once (Templates.headers): every later file of that size and
+    header has the same facts, and with --deep still its own NaN/Inf and zero counts, on
+    either sign, exactly as a read without the memo finds them. The clean ones are twins
+    (same_as), whose verdict the scan may reuse; a truncated one is no twin."""
+    from cachedoctor.formats.zip_templates import Templates
+
+    gen = torch.Generator().manual_seed(3)
+    planted = [None, None, {5: float("nan")}, {70: -float("inf")}, {9: 0.0}, {300: -0.0},
+               {11: float("inf"), 12: 0.0}, None]
+    paths = []
+    for i, plant in enumerate(planted):
+        latent = torch.randn(4, 32, 32, generator=gen).abs_().add_(0.5)  # no zero by chance
+        latent = latent.to(torch.bfloat16 if i % 2 else torch.float16).to(torch.float16)
+        for at, value in (plant or {}).items():
+            latent.view(-1)[at] = value
+        path = tmp_path / f"{i}.safetensors"
+        safetensors.torch.save_file({"latents": latent}, str(path))
+        paths.append(path)
+    paths[-1].write_bytes(paths[-1].read_bytes()[:-2])  # truncated: another size
+    for deep in (False, True):
+        templates = Templates()
+        for i, path in enumerate(paths):
+            alone = read_path(str(path), deep=deep)
+            shared = read_path(str(path), deep=deep, templates=templates)
+            assert shared == alone
+            twin = i in (1,) or (not deep and 0 < i < len(paths) - 1)
+            assert (shared.same_as is not None) == twin, (deep, i)
+    deep = [read_path(str(p), deep=True) for p in paths]
+    assert [bool(m.nonfinite) for m in deep] == [False, False, True, True, False, False, True,
+                                                 False]
+    assert [bool(m.zeros) for m in deep] == [False, False, False, False, True, True, True, False]
+    assert deep[-1].errors
+
+
+def test_a_header_too_long_to_hold_is_parsed_every_time(tmp_path, monkeypatch):
+    from cachedoctor.formats.zip_templates import Templates
+
+    monkeypatch.setattr(safetensors_header, "MAX_KNOWN_HEADER", 16)
+    path = tmp_path / "a.safetensors"
+    safetensors.torch.save_file({"latents": torch.ones(4, 8, 8)}, str(path))
+    templates = Templates()
+    for _ in range(2):
+        assert read_path(str(path), templates=templates).ok
+    assert not templates.headers

@@ -300,3 +300,18 @@ def test_a_sound_protocol_0_pickle_under_a_pickle_name_is_a_pickle(tmp_path):
     # under a torch name the same bytes are no torch file (torch.load wants its magic first)
     (tmp_path / "list.pt").write_bytes(path.read_bytes())
     assert read_path(str(tmp_path / "list.pt")).errors
+
+
+def test_a_reading_with_globals_of_its_own_takes_no_twins_verdict():
+    """A file whose facts are another's (a twin: same_as) but whose bytes also read as a pickle
+    naming globals is judged on its own: the merged FileMeta holds no same_as, so a scan
+    cannot hand it the clean twin's verdict."""
+    from cachedoctor.formats import _with_pickle
+    from cachedoctor.formats.meta import SAFETENSORS, FileMeta
+
+    first = FileMeta("a.pt", 100, SAFETENSORS, root="dict")
+    twin = first.renamed("b.pt")
+    pickled = torch_legacy.read(BytesSource(payload(Path("m"))), "b.pt", False)
+    assert pickled.globals and twin.same_as is first
+    merged = _with_pickle(twin, pickled)
+    assert merged.same_as is None and merged.unsafe_globals
