@@ -166,14 +166,15 @@ def _again(src: Source, path: str, seen: Known) -> FileMeta:
     nonfinite, zeros = [], []
     whole = src.buffer if src.buffer is not None and len(src.buffer) == src.size else None
     for name, offset, nbytes, dtype, test in seen.values:
-        if test is not None and whole is not None:
-            from numpy import frombuffer
+        if test is not None and whole is not None and nbytes:  # (an empty one: no reduce)
+            from numpy import frombuffer, maximum, minimum
 
             unsigned, signed, top, signed_top = test
             bits = frombuffer(whole, unsigned, nbytes // unsigned.itemsize, offset)
-            ints = bits.view(signed)
-            if (bits.max() < top and ints.max() < signed_top and bits.min() != 0 and
-                    ints.min() != -(1 << (8 * signed.itemsize - 1))):
+            ints = bits.view(signed)  # (ufunc.reduce: ndarray.max adds a Python frame per call)
+            if (maximum.reduce(bits) < top and maximum.reduce(ints) < signed_top and
+                    minimum.reduce(bits) != 0 and
+                    minimum.reduce(ints) != -(1 << (8 * signed.itemsize - 1))):
                 continue
         count, zero = count_values_at(src, offset, nbytes, dtype)
         if count:

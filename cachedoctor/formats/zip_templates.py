@@ -49,13 +49,17 @@ CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
 class Template:
-    __slots__ = ("crc_offsets", "directory", "patterns", "plans", "records", "spans", "twins")
+    __slots__ = ("_checks", "_records_end", "crc_offsets", "directory", "patterns", "plans", "records", "spans",
+                 "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
                  directory: ZipDirectory, records: tuple[tuple[int, int], ...],
                  crc_offsets: tuple[int, ...] = ()) -> None:
         self.patterns = patterns  # (offset, length, pattern) of each span that decides a layout
         self.spans = tuple((at, n) for at, n, _ in patterns)
+        # (and whether each names the prefix: Pattern.groupindex makes a new dict per call)
+        self._checks = tuple((at, n, p, "prefix" in p.groupindex) for at, n, p in patterns)
+        self._records_end = max((end for _, end in records), default=0)
         self.directory = directory
         self.records = records  # (start, end) in the file of each record the reader reads
         self.twins: dict[bytes, FileMeta] = {}  # by record_bytes(): a sound file's FileMeta
@@ -66,14 +70,14 @@ class Template:
         """This file's archive prefix if the bytes in `windows` match the layout, else None
         (None too when the windows miss a span)."""
         prefix = None
-        for at, n, pattern in self.patterns:
+        for at, n, pattern, named in self._checks:
             data, base = _holding(windows, at, n)
             if data is None:
                 return None
             found = pattern.fullmatch(data, at - base, at - base + n)
             if found is None:
                 return None
-            if "prefix" in pattern.groupindex:
+            if named:
                 own = found.group("prefix")
                 if prefix is not None and own != prefix:
                     return None
@@ -83,6 +87,9 @@ class Template:
     def record_bytes(self, windows: tuple[Window, ...]) -> bytes:
         """The bytes of the records the reader reads, of a file that matched this layout
         (one fixed length each, so the concatenation is unambiguous; they lie in its spans)."""
+        base, data = windows[0]
+        if base == 0 and self._records_end <= len(data):  # (the whole file: no search)
+            return b"".join([data[start:end] for start, end in self.records])
         parts = []
         for start, end in self.records:
             data, base = _holding(windows, start, end - start)

@@ -423,3 +423,15 @@ def test_a_header_too_long_to_hold_is_parsed_every_time(tmp_path, monkeypatch):
     for _ in range(2):
         assert read_path(str(path), templates=templates).ok
     assert not templates.headers
+
+
+def test_an_empty_tensor_beside_a_full_one_reads_alike_with_the_memo(tmp_path):
+    from cachedoctor.formats.zip_templates import Templates
+
+    templates = Templates()
+    for i in range(3):
+        path = tmp_path / f"{i}.safetensors"
+        safetensors.torch.save_file({"empty": torch.zeros(0, 4), "latents": torch.ones(4, 8) + i},
+                                    str(path))
+        meta = read_path(str(path), deep=True, templates=templates)
+        assert meta == read_path(str(path), deep=True) and meta.ok and not meta.zeros
