@@ -49,7 +49,8 @@ CD302 error train/10_person/img_0003_1024x1024_flux.npz
 ```
 
 ## Fix
-`cachedoctor fix` quarantines the file; `--reencode` encodes it again at the bucket's size.
+`cachedoctor fix` quarantines the file; `--reencode` encodes it again at the bucket's size (a
+kohya npz keeps the keys of its other resolutions, and gets its flipped latent with flip_aug).
 A quarantined kohya npz is cached again by sd-scripts, `skip_cache_check` or not: it only
 trusts files that exist.
 """

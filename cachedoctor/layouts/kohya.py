@@ -542,7 +542,9 @@ def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
 # -- entries (fix --reencode) ------------------------------------------------------------------
 
 RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
+SUFFIX = re.compile(r"_\d+x\d+$")  # a multi-resolution key's `_<h>x<w>`
 MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
+FLIPPED = "latents_flipped"  # with flip_aug: the latent of the image mirrored left to right
 
 
 def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
@@ -620,9 +622,16 @@ class _Entries(Entries):
     """kohya's latent npz files (strategy_base.py `save_latents_to_disk`, train_util.py
     `trim_and_resize_if_required`): `<stem>_<WWWW>x<HHHH>_<arch>.npz` beside the image, named
     with its pixel size; float32 `latents` (unscaled), `original_size` [W, H] and `crop_ltrb`,
-    their keys suffixed `_<h>x<w>` where the neighbours' are (multi-resolution architectures).
-    The image is resized to cover its bucket (BucketManager.select_bucket) and cropped in the
-    centre; crop_ltrb is get_crop_ltrb's, in the neighbours' dtype."""
+    their keys suffixed `_<h>x<w>` where the neighbours' are (multi-resolution architectures),
+    and `latents_flipped` with flip_aug. The image is resized to cover its bucket
+    (BucketManager.select_bucket) and cropped in the centre; crop_ltrb is get_crop_ltrb's, in
+    the neighbours' dtype.
+
+    An npz replaced at its own path keeps every key but those of the latent written
+    (`save_latents_to_disk` loads the file it writes to and adds its keys): the other
+    resolutions' latents, original_size and crop_ltrb, their flipped latents and alpha masks.
+    That latent's own flipped latent goes unless flip_aug makes it anew (it is the old
+    encode's); its alpha_mask is a NoSpec (cachedoctor makes none)."""
 
     def __init__(self, naming: KohyaNaming, changes: Changes) -> None:
         super().__init__(changes)
@@ -661,31 +670,60 @@ class _Entries(Entries):
         path = os.path.join(directory, f"{stem}_{width:04d}x{height:04d}_{arch}.npz")
         geometry = Geometry((width, height), resized, ((resized[0] - bucket_w) // 2,
                             (resized[1] - bucket_h) // 2, bucket_w, bucket_h), "area")
-        return EntrySpec(image, path, EntryFormat("npz", "latents" + suffix, dtype, channels,
-                                                  extras=extras), geometry, latent)
+        same = replacing is not None and os.path.abspath(replacing) == os.path.abspath(path)
+        return EntrySpec(image, path, EntryFormat(
+            "npz", "latents" + suffix, dtype, channels, extras=extras,
+            flipped=FLIPPED + suffix if self.naming.flip_aug else None,
+            kept=_kept(path, suffix) if same else ()), geometry, latent)
 
     def _format(self, directory: str) -> tuple:
         """(arch, multi-resolution keys, latent dtype, channels, {value: dtype}) most healthy
         latent npz files of the folder share."""
         found = self.once(directory, lambda: most_common(filter(None, (
             _npz_format(m) for m in healthy(directory, ".npz", self.unlike))), "latent npz"))
-        only((k for k, _ in found[4]), {"latents", *MADE}, "npz files")
+        only((k for k, _ in found[4]), {"latents", FLIPPED, *MADE}, "npz files")
         return (*found[:4], dict(found[4]))
 
 
 def _npz_format(meta: FileMeta) -> tuple | None:
     """(arch, multi-resolution, dtype, channels, ((value, dtype), ...)) of a latent npz named
-    as kohya names them and holding one latent; None for anything else."""
+    as kohya names them, its latents of one format: those with `_<h>x<w>` keys where it has
+    any (an unsuffixed `latents` beside them is an older run's), else its one `latents`; None
+    for anything else."""
     match = LATENT_NAME.match(os.path.basename(meta.path))
-    tensors = {str(t.path[0]): t for t in meta.tensors if t.path}
-    keys = [k for k in tensors if RESO_KEY.match(k)]
-    if match is None or len(keys) != 1 or len(tensors[keys[0]].shape) != 3:
+    if match is None:
         return None
-    latent = tensors[keys[0]]
-    suffix = keys[0][len("latents"):]
-    values = tuple(sorted((k.removesuffix(suffix) if suffix else k, t.dtype)
-                          for k, t in tensors.items() if k != keys[0]))
-    return match["arch"], bool(suffix), latent.dtype, latent.shape[0], values
+    resolutions: dict[str, dict[str, TensorMeta]] = {}
+    for t in meta.tensors:
+        if len(t.path) == 1:
+            key = str(t.path[0])
+            found = SUFFIX.search(key)
+            suffix = found[0] if found else ""
+            resolutions.setdefault(suffix, {})[key.removesuffix(suffix)] = t
+    latents = {s: keys for s, keys in resolutions.items() if "latents" in keys}
+    multi = any(latents)
+    formats = {(keys["latents"].dtype, keys["latents"].shape[0],
+                tuple(sorted((k, t.dtype) for k, t in keys.items() if k != "latents")))
+               for s, keys in latents.items() if bool(s) == multi}
+    if len(formats) != 1 or any(len(keys["latents"].shape) != 3 for keys in latents.values()):
+        return None
+    (dtype, channels, values), = formats
+    return match["arch"], multi, dtype, channels, values
+
+
+def _kept(path: str, suffix: str) -> tuple[str, ...]:
+    """EntryFormat.kept of the npz at `path` when its latent of `suffix` is written anew:
+    every key but that latent's (see _Entries); none of a file the reader cannot read."""
+    from cachedoctor.formats import read_path
+
+    meta = read_path(path)
+    if meta.errors or meta.unsafe_globals:
+        return ()  # np.load cannot read it back either
+    keys = [str(t.path[0]) for t in meta.tensors if len(t.path) == 1]
+    if "alpha_mask" + suffix in keys:
+        raise NoSpec(f"it holds alpha_mask{suffix}, which cachedoctor does not make")
+    own = {key + suffix for key in ("latents", FLIPPED, *MADE)}
+    return tuple(sorted(k for k in keys if k not in own))
 
 
 def _crop_ltrb(bucket: tuple[int, int], size: tuple[int, int]) -> tuple[float, ...]:
