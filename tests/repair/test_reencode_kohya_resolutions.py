@@ -142,3 +142,25 @@ def test_a_missing_image_s_entry_is_written_from_multi_resolution_neighbours(
     assert result.exit_code == 0, result.output
     assert set(arrays_of(gone)) == {"latents_24x40", "original_size_24x40", "crop_ltrb_24x40"}
     assert torch.from_numpy(arrays_of(gone)["latents_24x40"]).shape == (16, 24, 40)
+
+
+def test_a_file_lacking_its_flipped_latent_gets_one_and_keeps_the_rest(tmp_path: Path) -> None:
+    """CD302 for a missing `latents_flipped_<h>x<w>` (flip_aug, skip_cache_check): the fix
+    encodes that resolution again with its flipped latent; the other resolutions stay."""
+    config, folder = project(tmp_path, flip_aug=True)
+    target = next(folder.glob("img_101_*_flux.npz"))
+    arrays = arrays_of(target)
+    del arrays["latents_flipped_24x40"]
+    np.savez(target, **arrays)
+    found = {Path(f.path): f.message for f in by_code(scan_paths(config), "CD302")}
+    assert set(found) == {target, next(folder.glob(f"{LACKING}_*_flux.npz"))}
+    assert found[target].startswith("no latents_flipped_24x40 for bucket 320x192"), found
+
+    result = invoke("fix", str(config), "--reencode", "--encoder", "reference", "--yes")
+
+    assert result.exit_code == 0, result.output
+    after = arrays_of(target)
+    assert set(after) == set(arrays) | {"latents_flipped_24x40"}
+    for key in (k for k in arrays if not k.endswith("_24x40")):
+        assert after[key].tobytes() == arrays[key].tobytes(), key
+    assert [f for f in scan_paths(config).findings if f.severity >= 2] == []
