@@ -347,13 +347,13 @@ def _tuple(value: Any) -> tuple | None:
 def _template(text: str) -> tuple[tuple, tuple]:
     """A stored summary as the fields before and after its mtime (its path goes first)."""
     (dataset, bucket, role, fmt, size, shape, dtype, signature, locations, expected, family,
-     group) = json.loads(text)
-    if not all(isinstance(v, str) for v in (role, fmt)) or type(size) is not int or \
-            not all(v is None or isinstance(v, str) for v in (dataset, bucket, dtype, family, group)):
+     group, lacks) = json.loads(text)
+    if not all(isinstance(v, str) for v in (role, fmt)) or type(size) is not int or not all(
+            v is None or isinstance(v, str) for v in (dataset, bucket, dtype, family, group, lacks)):
         raise ValueError("not a summary")
     return ((dataset, bucket, role, fmt, size),
             (_tuple(shape), dtype, tuple(map(tuple, signature)), tuple(locations),
-             _tuple(expected), family, group))
+             _tuple(expected), family, group, lacks))
 
 
 # -- stamps ------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ class FileSummary(NamedTuple):
     expected: tuple[int, int] | None = None  # (h, w) the trainer's bucket needs
     family: str | None = None  # model family / architecture the naming tells
     group: str | None = None  # the folder of its dataset in a bare tree (see layouts/bare.py)
+    lacks: str | None = None  # a key the trainer reads from it that it lacks (CacheFacts.lacks)
 
 
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -165,9 +166,9 @@ def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
     held = known if known is not None else content(entry.role, meta)
     if held is None:
         return None
-    bucket, expected, family, shape = entry.bucket, None, None, held.shape
+    bucket, expected, family, shape, lacks = entry.bucket, None, None, held.shape, None
     if facts is not None and held.role == LATENT:
-        bucket, expected, family = facts.bucket, facts.expected, facts.family
+        bucket, expected, family, lacks = facts.bucket, facts.expected, facts.family, facts.lacks
         if facts.shape is not None:
             shape = facts.shape or None
     elif held.role == TEXT:
@@ -176,7 +177,7 @@ def summarize(entry: Entry, meta: FileMeta, facts: CacheFacts | None = None,
         family = text_family(entry.path[entry.path.rfind(os.sep) + 1:]) or encoder_slot(entry.path)
     return FileSummary(entry.path, entry.dataset, bucket, held.role, meta.format, meta.size,
                        meta.mtime, shape, held.dtype, held.signature, held.locations,
-                       expected, family, group)
+                       expected, family, group, lacks)
 
 
 class SummaryStore:
@@ -264,6 +265,7 @@ class Group(NamedTuple):
     locations: tuple[str, ...]
     signature: tuple[tuple[str, int | None], ...]
     group: str | None
+    lacks: str | None = None
 
 
 _group = attrgetter(*Group._fields)  # a summary's Group, as a plain tuple

@@ -15,9 +15,11 @@ PR #2269) key each latent by its size (`latents_<h>x<w>`) and may hold several. 
 is judged by the key of its bucket: one without it is reported only when the config sets
 `skip_cache_check` (or the deprecated `skip_latents_validity_check`, which sd-scripts' full
 FLUX, SD3, Lumina and Anima fine-tune scripts take for it; it is read for those npz only).
-Datasets that share an image dir (one set of images trained at two resolutions) share its npz
-files: each file is judged for every one of them, and reported for the first whose bucket it
-fails.
+Under `skip_cache_check`, a subset with `flip_aug` also needs the flipped latent of the key
+it loads (`latents_flipped_<h>x<w>`; `latents_flipped` in SD/SDXL and legacy `<stem>.npz`
+files): a file without it is reported too. Datasets that share an image dir (one set of images
+trained at two resolutions) share its npz files: each file is judged for every one of them,
+and reported for the first whose bucket it fails.
 
 ## Why is this bad?
 The trainer does not check: kohya's `is_disk_cached_latents_expected` looks only for keys, and
@@ -29,7 +31,9 @@ sample without a word.
 kohya's size-keyed npz are the exception: sd-scripts encodes an image again when its file lacks
 the bucket's key, and adds the key to the file. With `skip_cache_check` it trusts any file that
 exists, and training stops with `ValueError: latents_<h>x<w> not found in <file>` when it first
-loads that image, for whichever dataset's bucket lacks its key.
+loads that image, for whichever dataset's bucket lacks its key. A missing flipped latent loads
+as None, and the first sample of that image that flip_aug mirrors (half of them, at random)
+stops training with `TypeError: new(): data must be a sequence (got NoneType)`.
 
 ## Example
 ```
@@ -38,10 +42,15 @@ CD302 error train/10_person/img_0042_1024x0768_sdxl.npz
 CD302 error train/10_person/img_0007_0768x1024_flux.npz
       no latents_128x96 for bucket 768x1024 (it holds a 64x48 latent): with skip_cache_check,
       sd-scripts does not encode it again and stops with ValueError when it loads the file
+CD302 error train/10_person/img_0003_1024x1024_flux.npz
+      no latents_flipped_128x128 for bucket 1024x1024: with flip_aug and skip_cache_check,
+      sd-scripts does not encode it again; it loads None for the flipped latent and stops
+      with TypeError at the first sample it flips
 ```
 
 ## Fix
-`cachedoctor fix` quarantines the file; `--reencode` encodes it again at the bucket's size.
+`cachedoctor fix` quarantines the file; `--reencode` encodes it again at the bucket's size (a
+kohya npz keeps the keys of its other resolutions, and gets its flipped latent with flip_aug).
 A quarantined kohya npz is cached again by sd-scripts, `skip_cache_check` or not: it only
 trusts files that exist.
 """
@@ -56,7 +65,7 @@ from cachedoctor.formats.meta import NPZ
 from cachedoctor.inventory import LATENT
 from cachedoctor.layouts.kohya import MULTI_RESOLUTION
 from cachedoctor.rule import Rule, RuleContext, Selector
-from cachedoctor.summary import DatasetView
+from cachedoctor.summary import DatasetView, FileSummary, Group
 
 
 def wrong(role: str, shape: tuple[int, ...] | None, expected: tuple[int, int] | None) -> bool:
@@ -64,18 +73,31 @@ def wrong(role: str, shape: tuple[int, ...] | None, expected: tuple[int, int] | 
             and tuple(shape[-2:]) != expected)
 
 
+def fails(s: Group | FileSummary) -> bool:
+    """A latent of the wrong size, or one lacking a key its trainer reads (kohya's flipped
+    latent, see layouts/kohya.lacking_flip)."""
+    return wrong(s.role, s.shape, s.expected) or (s.role == LATENT and s.lacks is not None)
+
+
 def select(view: DatasetView, ctx: RuleContext) -> Selector | None:
-    """The latents of the wrong size: each is a finding."""
-    if not any(wrong(g.role, g.shape, g.expected) for g in view.tally()):
+    """The latents of the wrong size or lacking a key: each is a finding."""
+    if not any(map(fails, view.tally())):
         return None
-    return lambda s: (None, None) if wrong(s.role, s.shape, s.expected) else None
+    return lambda s: (None, None) if fails(s) else None
 
 
 def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
-    if not any(wrong(g.role, g.shape, g.expected) for g in view.tally()):
+    if not any(map(fails, view.tally())):
         return
     for s in view:
+        if not fails(s):
+            continue
         if not wrong(s.role, s.shape, s.expected):
+            bucket = f" for bucket {s.bucket}" if s.bucket else ""
+            yield RULE.finding(s.path, f"no {s.lacks}{bucket}: with flip_aug and skip_cache_check, "
+                               "sd-scripts does not encode it again; it loads None for the "
+                               "flipped latent and stops with TypeError at the first sample it "
+                               "flips", ctx, bucket=s.bucket, missing=s.lacks)
             continue
         (h, w), (eh, ew) = s.shape[-2:], s.expected
         if s.format == NPZ and s.family in MULTI_RESOLUTION:

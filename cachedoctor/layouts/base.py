@@ -101,6 +101,9 @@ class CacheFacts(NamedTuple):
     # multi-resolution keys) and its primary latent is not that one; () when it loads none from
     # this file (it encodes the image anew); None: the primary latent stands
     shape: tuple[int, ...] | None = None
+    # a key the trainer reads from this file, trusting it as it is, that the file lacks (kohya's
+    # `latents_flipped[_<h>x<w>]` with flip_aug under skip_cache_check); None: none is missing
+    lacks: str | None = None
 
 
 NO_FACTS = CacheFacts()

@@ -54,6 +54,13 @@ class EntryFormat:
                                       compare=False)
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False,
                                         compare=False)
+    # kohya's flip_aug: the key of the latent of the image mirrored left to right (after the
+    # crop), stored beside the latent; None: none is made
+    flipped: str | None = None
+    # the keys of the entry being replaced that are written back as they were, read from it
+    # when the run writes the new entry (kohya's npz hold other resolutions' latents, and
+    # sd-scripts adds to a file, never takes keys away): the entry's own, like extras
+    kept: tuple[str, ...] = field(default=(), hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.container not in CONTAINERS:

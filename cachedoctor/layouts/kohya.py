@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from cachedoctor.formats.meta import FileMeta
+from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.layouts.base import (
     CacheFacts,
     Dataset,
@@ -188,22 +188,23 @@ def _layout(args_file: ConfigFile | None, dataset_file: ConfigFile | None) -> La
     deprecated = args.get("skip_latents_validity_check") is True and not args.get("network_module")
     skip_archs = DEPRECATED_SKIP_ARCHS if deprecated and not skip_check else frozenset()
     # Datasets sharing an image dir share its npz files (two resolutions of one FLUX run): the
-    # dir is walked once, so each subset's naming also knows the others' buckets.
-    shared: dict[str, list[Buckets]] = {}
+    # dir is walked once, so each subset's naming also knows the others' buckets and flip_aug.
+    shared: dict[str, list[tuple[Buckets, bool]]] = {}
     for subset in subsets:
         if subset.buckets is not None:
-            shared.setdefault(os.path.realpath(subset.image_dir), []).append(subset.buckets)
+            shared.setdefault(os.path.realpath(subset.image_dir), []).append(
+                (subset.buckets, subset.flip_aug))
     datasets = []
     for ident, subset in zip(ids, subsets, strict=True):
         if not os.path.isdir(subset.image_dir):
             problems.missing(subset.origin, "image_dir", subset.value, subset.image_dir,
                              _reason(root), ident)
         others = list(shared.get(os.path.realpath(subset.image_dir), ()))
-        if subset.buckets in others:
-            others.remove(subset.buckets)
+        if (subset.buckets, subset.flip_aug) in others:
+            others.remove((subset.buckets, subset.flip_aug))
         naming = KohyaNaming(root=subset.image_dir, buckets=subset.buckets,
                              expects_cache=to_disk is not False, skip_cache_check=skip_check,
-                             skip_archs=skip_archs, others=tuple(others))
+                             skip_archs=skip_archs, flip_aug=subset.flip_aug, others=tuple(others))
         datasets.append(Dataset(
             ident, image_dirs=(subset.image_dir,), shallow_image_dirs=(subset.image_dir,),
             latent_cache_dir=subset.image_dir, text_cache_dir=subset.image_dir,
@@ -224,6 +225,7 @@ class _Subset:
     value: str
     origin: object
     buckets: Buckets | None
+    flip_aug: bool = False  # the subset's, else its dataset's, [general]'s or the arguments'
 
 
 def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, root: str,
@@ -239,9 +241,10 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                 problems.missing(arg_origins[key], key, value, base, _reason(root))
                 continue
             buckets = _buckets([args], [arg_origins], problems)
+            flip = _flag("flip_aug", [args], [arg_origins], problems)
             for name in subdirs(base, subset_folder):
                 out.append(_Subset(os.path.join(base, name), os.path.join(value, name),
-                                   arg_origins[key], buckets))
+                                   arg_origins[key], buckets, flip))
         return out
     data = dataset_file.data
     general = data.get("general", {}) if isinstance(data.get("general"), dict) else {}
@@ -278,8 +281,11 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                                  f"subset datasets[{i}].subsets[{j}] {what}: expected the path "
                                  "of its image folder", key="image_dir")
                 continue
+            flip = _flag("flip_aug", [subset, dataset, general, args],
+                         [{k: dataset_file.origin(*where, k) for k in subset}, origins,
+                          general_origins, arg_origins], problems)
             out.append(_Subset(resolve(root, value), value, dataset_file.origin(*where, "image_dir"),
-                               buckets))
+                               buckets, flip))
     return out
 
 
@@ -399,6 +405,20 @@ def _buckets(sources: list[dict], origins: list[dict], problems: Problems) -> Bu
                         bool(settings["bucket_no_upscale"]))
 
 
+def _flag(key: str, sources: list[dict], origins: list[dict], problems: Problems) -> bool:
+    """A subset's true-or-false option by config_util's fallback order (subset, dataset,
+    [general], arguments); false when unset."""
+    for values, where in zip(sources, origins, strict=True):
+        if values.get(key) is None:
+            continue
+        if isinstance(values[key], bool):
+            return values[key]
+        problems.invalid(where[key], f"{key} is {type_name(values[key])} ({values[key]!r}): "
+                         "expected true or false", key=key, expected="true or false")
+        return False
+    return False
+
+
 def _resolution(value: object) -> tuple[int, int] | None:
     if isinstance(value, str):  # the --resolution argument: "512" or "512,768"
         parts = [p.strip() for p in value.split(",")]
@@ -427,7 +447,9 @@ class KohyaNaming(Naming):
     expects_cache: bool = True
     skip_cache_check: bool = False  # --skip_cache_check: an npz that exists is not re-cached
     skip_archs: frozenset[str] = frozenset()  # trusted as well (--skip_latents_validity_check)
-    others: tuple[Buckets, ...] = ()  # the buckets of the other datasets of this image dir
+    flip_aug: bool = False  # the subset's flip_aug: a flipped latent is read half the time
+    # (buckets, flip_aug) of the other datasets of this image dir
+    others: tuple[tuple[Buckets, bool], ...] = ()
 
     stem_collisions = True
 
@@ -465,14 +487,17 @@ class _Directory(DirectoryNaming):
         buckets = self.naming.buckets
         if match is None:
             stem = name[:-4]
+            # SD/SDXL read a legacy npz's unsuffixed keys (strategy_sd.py get_latents_npz_path)
+            lacks = lacking_flip(None, meta, None) if self.naming.skip_cache_check and \
+                self.naming.flip_aug else None
             # a legacy <stem>.npz names no size: kohya reads it from the image's header
             # (imagesize.get), as here, when the bucket settings are known
             size = self._image_size(stem) if buckets is not None else None
             if size is None:
-                return CacheFacts(key=self.prefix + stem, naming="legacy")
+                return CacheFacts(key=self.prefix + stem, naming="legacy", lacks=lacks)
             bw, bh = buckets.select(*size)
             return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
-                              expected=(bh // 8, bw // 8), naming="legacy")
+                              expected=(bh // 8, bw // 8), naming="legacy", lacks=lacks)
         stem, arch = match["stem"], match["arch"]
         width, height = int(match["w"]), int(match["h"])
         if buckets is None or width == 0 or height == 0:
@@ -480,11 +505,12 @@ class _Directory(DirectoryNaming):
         stride = STRIDE.get(arch, 8)
         skip = self.naming.skip_cache_check or arch in self.naming.skip_archs
         judged = []
-        for settings in (buckets, *self.naming.others):
+        for settings, flip in ((buckets, self.naming.flip_aug), *self.naming.others):
             bw, bh = settings.select(width, height)
             expected = (bh // stride, bw // stride)
             facts = CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}", expected=expected,
-                               family=arch, shape=loaded_shape(arch, meta, expected, skip))
+                               family=arch, shape=loaded_shape(arch, meta, expected, skip),
+                               lacks=lacking_flip(arch, meta, expected) if skip and flip else None)
             judged.append(facts)
             if _fails(facts, meta):
                 # sd-scripts loads the file for every dataset of the dir: the first one it
@@ -503,8 +529,10 @@ class _Directory(DirectoryNaming):
 
 
 def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
-    """Whether the latent sd-scripts loads for these facts is not of their expected size: the
-    facts' shape, else (None) the file's one `latents`."""
+    """Whether the latent sd-scripts loads for these facts is not of their expected size (the
+    facts' shape, else (None) the file's one `latents`), or a key it reads is missing."""
+    if facts.lacks is not None:
+        return True
     shape = facts.shape
     if shape is None:
         shape = next((t.shape for t in meta.tensors if t.path == ("latents",)), None)
@@ -514,7 +542,9 @@ def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
 # -- entries (fix --reencode) ------------------------------------------------------------------
 
 RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
+SUFFIX = re.compile(r"_\d+x\d+$")  # a multi-resolution key's `_<h>x<w>`
 MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
+FLIPPED = "latents_flipped"  # with flip_aug: the latent of the image mirrored left to right
 
 
 def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
@@ -530,16 +560,12 @@ def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
     the key is encoded again and the key added, so nothing is judged: (). With --skip_cache_check
     the file is trusted and loading it raises ValueError: the shape of a latent of another size
     it holds stands, for CD302."""
-    latents = {t.path[0]: t for t in meta.tensors if len(t.path) == 1
-               and isinstance(t.path[0], str) and RESO_KEY.match(t.path[0])}
+    latents = _latents(meta)
     if arch not in MULTI_RESOLUTION and all(k == "latents" for k in latents):
         return None
-    wanted = latents.get(f"latents_{expected[0]}x{expected[1]}")
-    if wanted is not None:
-        return wanted.shape
-    legacy = latents.get("latents")
-    if arch not in MULTI_RESOLUTION and legacy is not None and tuple(legacy.shape[-2:]) == expected:
-        return legacy.shape
+    key = loaded_key(arch, latents, expected)
+    if key is not None:
+        return latents[key].shape
     if not skip_cache_check:
         return ()
     # one of another size (an unsuffixed FLUX `latents` of the bucket's size is not read either,
@@ -548,13 +574,64 @@ def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
     return held[0] if held else ()
 
 
+def _latents(meta: FileMeta) -> dict[str, TensorMeta]:
+    """The npz's latents by key: `latents` and `latents_<h>x<w>`."""
+    return {t.path[0]: t for t in meta.tensors if len(t.path) == 1
+            and isinstance(t.path[0], str) and RESO_KEY.match(t.path[0])}
+
+
+def loaded_key(arch: str | None, latents: dict[str, TensorMeta],
+               expected: tuple[int, int] | None) -> str | None:
+    """Which of `latents` sd-scripts loads for a bucket whose latent is `expected` (h, w);
+    None when it holds none of them. An SD/SDXL npz (arch None: a legacy `<stem>.npz`) without
+    suffixed keys: its `latents`, of whatever size; with them (PR #2269), the bucket's key, else
+    an unsuffixed `latents` of the bucket's size. The other archs: the bucket's key."""
+    multi = arch in MULTI_RESOLUTION
+    if not multi and all(k == "latents" for k in latents):
+        return "latents" if latents else None
+    if expected is None:
+        return None
+    key = f"latents_{expected[0]}x{expected[1]}"
+    if key in latents:
+        return key
+    legacy = latents.get("latents")
+    if not multi and legacy is not None and tuple(legacy.shape[-2:]) == expected:
+        return "latents"
+    return None
+
+
+def lacking_flip(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None) -> str | None:
+    """CacheFacts.lacks of an npz that sd-scripts trusts as it is (skip_cache_check) for a
+    subset with flip_aug: the flipped key of the latent it loads (`latents_flipped` plus that
+    latent's suffix) when the file lacks it; None when it holds it, or no latent it loads.
+
+    `_default_load_latents_from_disk` (strategy_base.py, 48d368fa; PR #2269's 58f7b4cd alike)
+    gives None for a missing `latents_flipped<suffix>`, and BaseDataset.__getitem__
+    (train_util.py) takes it for the latent of every sample it flips (half of them, at random):
+    `torch.FloatTensor(None)` raises TypeError. Without skip_cache_check the missing key makes
+    `is_disk_cached_latents_expected` false and the image is encoded again, the key added."""
+    key = loaded_key(arch, _latents(meta), expected)
+    if key is None:
+        return None
+    flipped = "latents_flipped" + key.removeprefix("latents")
+    held = {t.path[0] for t in meta.tensors if len(t.path) == 1}
+    return None if flipped in held else flipped
+
+
 class _Entries(Entries):
     """kohya's latent npz files (strategy_base.py `save_latents_to_disk`, train_util.py
     `trim_and_resize_if_required`): `<stem>_<WWWW>x<HHHH>_<arch>.npz` beside the image, named
     with its pixel size; float32 `latents` (unscaled), `original_size` [W, H] and `crop_ltrb`,
-    their keys suffixed `_<h>x<w>` where the neighbours' are (multi-resolution architectures).
-    The image is resized to cover its bucket (BucketManager.select_bucket) and cropped in the
-    centre; crop_ltrb is get_crop_ltrb's, in the neighbours' dtype."""
+    their keys suffixed `_<h>x<w>` where the neighbours' are (multi-resolution architectures),
+    and `latents_flipped` with flip_aug. The image is resized to cover its bucket
+    (BucketManager.select_bucket) and cropped in the centre; crop_ltrb is get_crop_ltrb's, in
+    the neighbours' dtype.
+
+    An npz replaced at its own path keeps every key but those of the latent written
+    (`save_latents_to_disk` loads the file it writes to and adds its keys): the other
+    resolutions' latents, original_size and crop_ltrb, their flipped latents and alpha masks.
+    That latent's own flipped latent goes unless flip_aug makes it anew (it is the old
+    encode's); its alpha_mask is a NoSpec (cachedoctor makes none)."""
 
     def __init__(self, naming: KohyaNaming, changes: Changes) -> None:
         super().__init__(changes)
@@ -593,31 +670,60 @@ class _Entries(Entries):
         path = os.path.join(directory, f"{stem}_{width:04d}x{height:04d}_{arch}.npz")
         geometry = Geometry((width, height), resized, ((resized[0] - bucket_w) // 2,
                             (resized[1] - bucket_h) // 2, bucket_w, bucket_h), "area")
-        return EntrySpec(image, path, EntryFormat("npz", "latents" + suffix, dtype, channels,
-                                                  extras=extras), geometry, latent)
+        same = replacing is not None and os.path.abspath(replacing) == os.path.abspath(path)
+        return EntrySpec(image, path, EntryFormat(
+            "npz", "latents" + suffix, dtype, channels, extras=extras,
+            flipped=FLIPPED + suffix if self.naming.flip_aug else None,
+            kept=_kept(path, suffix) if same else ()), geometry, latent)
 
     def _format(self, directory: str) -> tuple:
         """(arch, multi-resolution keys, latent dtype, channels, {value: dtype}) most healthy
         latent npz files of the folder share."""
         found = self.once(directory, lambda: most_common(filter(None, (
             _npz_format(m) for m in healthy(directory, ".npz", self.unlike))), "latent npz"))
-        only((k for k, _ in found[4]), {"latents", *MADE}, "npz files")
+        only((k for k, _ in found[4]), {"latents", FLIPPED, *MADE}, "npz files")
         return (*found[:4], dict(found[4]))
 
 
 def _npz_format(meta: FileMeta) -> tuple | None:
     """(arch, multi-resolution, dtype, channels, ((value, dtype), ...)) of a latent npz named
-    as kohya names them and holding one latent; None for anything else."""
+    as kohya names them, its latents of one format: those with `_<h>x<w>` keys where it has
+    any (an unsuffixed `latents` beside them is an older run's), else its one `latents`; None
+    for anything else."""
     match = LATENT_NAME.match(os.path.basename(meta.path))
-    tensors = {str(t.path[0]): t for t in meta.tensors if t.path}
-    keys = [k for k in tensors if RESO_KEY.match(k)]
-    if match is None or len(keys) != 1 or len(tensors[keys[0]].shape) != 3:
+    if match is None:
         return None
-    latent = tensors[keys[0]]
-    suffix = keys[0][len("latents"):]
-    values = tuple(sorted((k.removesuffix(suffix) if suffix else k, t.dtype)
-                          for k, t in tensors.items() if k != keys[0]))
-    return match["arch"], bool(suffix), latent.dtype, latent.shape[0], values
+    resolutions: dict[str, dict[str, TensorMeta]] = {}
+    for t in meta.tensors:
+        if len(t.path) == 1:
+            key = str(t.path[0])
+            found = SUFFIX.search(key)
+            suffix = found[0] if found else ""
+            resolutions.setdefault(suffix, {})[key.removesuffix(suffix)] = t
+    latents = {s: keys for s, keys in resolutions.items() if "latents" in keys}
+    multi = any(latents)
+    formats = {(keys["latents"].dtype, keys["latents"].shape[0],
+                tuple(sorted((k, t.dtype) for k, t in keys.items() if k != "latents")))
+               for s, keys in latents.items() if bool(s) == multi}
+    if len(formats) != 1 or any(len(keys["latents"].shape) != 3 for keys in latents.values()):
+        return None
+    (dtype, channels, values), = formats
+    return match["arch"], multi, dtype, channels, values
+
+
+def _kept(path: str, suffix: str) -> tuple[str, ...]:
+    """EntryFormat.kept of the npz at `path` when its latent of `suffix` is written anew:
+    every key but that latent's (see _Entries); none of a file the reader cannot read."""
+    from cachedoctor.formats import read_path
+
+    meta = read_path(path)
+    if meta.errors or meta.unsafe_globals:
+        return ()  # np.load cannot read it back either
+    keys = [str(t.path[0]) for t in meta.tensors if len(t.path) == 1]
+    if "alpha_mask" + suffix in keys:
+        raise NoSpec(f"it holds alpha_mask{suffix}, which cachedoctor does not make")
+    own = {key + suffix for key in ("latents", FLIPPED, *MADE)}
+    return tuple(sorted(k for k in keys if k not in own))
 
 
 def _crop_ltrb(bucket: tuple[int, int], size: tuple[int, int]) -> tuple[float, ...]:

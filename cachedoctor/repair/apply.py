@@ -354,15 +354,31 @@ def _reencode(step: _Step, encoder: Encoder | None) -> Outcome:
     folder = step.folder()
     if confined.lstat_at(folder, step.name) is not None:
         raise Skip("the entry exists (written since the plan?)")
+    replaced = _replaced(step) if action.target.format.kept else None
     step.update(STARTED)
-    data, latent = reencode.encode(action.target, encoder)
+    kept = reencode.kept_arrays(action.target, replaced) if replaced is not None else None
+    data, latent, besides = reencode.encode(action.target, encoder, kept)
     temp = os.path.basename(step.paths.temp)
     atomic.write_new(temp, data, dir_fd=folder)
-    reencode.verify(action.target, step.paths.temp, latent)
+    reencode.verify(action.target, step.paths.temp, latent, besides)
     step.update(READY, sha_after=atomic.sha256_bytes(data))
     atomic.link_new_at(folder, temp, step.name)
     step.update(DONE)
     return Outcome(action, DONE)
+
+
+def _replaced(step: _Step) -> bytes:
+    """The bytes of the entry a reencode replaces: this run's quarantine action moved it to the
+    quarantine, under the same name (ActionPaths.quarantine has no sequence number)."""
+    folder, name = step.quarantine_folder(), os.path.basename(step.paths.quarantine)
+    try:
+        fd = confined.open_file(folder, name)
+    except FileNotFoundError:
+        raise Skip("the entry it replaces is not in this run's quarantine") from None
+    try:
+        return confined.read_fd(fd)
+    finally:
+        os.close(fd)
 
 
 STEPS = {QUARANTINE: _quarantine, COMPACT: _rewrite, TO_CPU: _rewrite, REENCODE: _reencode}

@@ -9,17 +9,23 @@ the latent only (SimpleTuner's bare tensors; single-tensor safetensors or npz fi
 
 The image is read, resized and cropped as the trainer does (torch's resampling standing in for
 the trainer's own: the geometry is exact, the pixels close), encoded, scaled where the trainer
-stores scaled latents, and written in the trainer's container. The written file is checked with
-the scan's reader (same container, key, dtype, device and shape as asked, nothing unsafe) and
-loaded with the trainer's own call: torch.load(weights_only=True, map_location="cpu") (after
-gzip.decompress for gzip), safetensors.torch.load_file, np.load(allow_pickle=False); the latent
-must be bit-identical to what was encoded, and the values and metadata beside it as asked.
+stores scaled latents, and written in the trainer's container. Where the format asks for a
+flipped latent (kohya's flip_aug), the cropped pixels mirrored left to right are encoded too.
+Where it keeps keys of the entry it replaces (kohya's other resolutions), they are read from
+that entry, which the run has just moved to the quarantine (`kept_arrays`), and written back
+as they were. The written file is checked with the scan's reader (same container, key, dtype,
+device and shape as asked, nothing unsafe) and loaded with the trainer's own call:
+torch.load(weights_only=True, map_location="cpu") (after gzip.decompress for gzip),
+safetensors.torch.load_file, np.load(allow_pickle=False); the latent must be bit-identical to
+what was encoded, the flipped latent and kept keys to what was written, and the values and
+metadata beside them as asked.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -60,13 +66,26 @@ class ReencodeTarget(EntrySpec):
         return cls(**{f.name: getattr(spec, f.name) for f in fields(EntrySpec)}, codes=codes)
 
 
-def encode(target: ReencodeTarget, encoder: Encoder) -> tuple[bytes, torch.Tensor]:
-    """(the entry's bytes, the latent as stored in it)."""
+def encode(target: ReencodeTarget, encoder: Encoder, kept: Mapping[str, Any] | None = None
+           ) -> tuple[bytes, torch.Tensor, dict[str, Any]]:
+    """(the entry's bytes, the latent as stored in it, what is stored beside it but the
+    format's extras: the flipped latent and the `kept` arrays, by key)."""
+    fmt = target.format
+    rgb = pixels(target.image, target.geometry)
+    value = _latent(target, encoder, rgb)
+    besides: dict[str, Any] = dict(kept or {})
+    if fmt.flipped is not None:
+        besides[fmt.flipped] = _latent(target, encoder, rgb.flip(-1).contiguous())
+    return _dumps(value, fmt, besides), value, besides
+
+
+def _latent(target: ReencodeTarget, encoder: Encoder, rgb: torch.Tensor) -> torch.Tensor:
+    """The latent of `rgb` as the entry stores it (scaled, of its dtype and dims)."""
     from cachedoctor.fixtures.latents import as_dtype
     from cachedoctor.repair.encoders import EncoderError
 
     fmt = target.format
-    latent = encoder.encode(pixels(target.image, target.geometry), fmt.channels)
+    latent = encoder.encode(rgb, fmt.channels)
     if target.latent_size is not None and tuple(latent.shape[-2:]) != target.latent_size:
         h, w = target.latent_size
         raise EncoderError(f"encoder {encoder.spec} gives {latent.shape[-2]}x{latent.shape[-1]} "
@@ -77,7 +96,24 @@ def encode(target: ReencodeTarget, encoder: Encoder) -> tuple[bytes, torch.Tenso
     value = latent.to(as_dtype(fmt.dtype)).contiguous().clone()
     if fmt.batch_dim:
         value = value[None].clone()
-    return _dumps(value, fmt), value
+    return value
+
+
+def kept_arrays(target: ReencodeTarget, data: bytes) -> dict[str, Any]:
+    """The format's `kept` keys of the replaced entry whose bytes are `data` (an npz, read as
+    the trainer reads it: np.load(allow_pickle=False)); EntryMismatch if one is missing."""
+    import numpy as np
+
+    keys = target.format.kept
+    if not keys:
+        return {}
+    if target.format.container != "npz":
+        raise EntryMismatch(f"keys are kept from npz entries only, not {target.format.container}")
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        missing = [k for k in keys if k not in npz.files]
+        if missing:
+            raise EntryMismatch(f"the entry it replaces no longer holds {', '.join(missing)}")
+        return {k: npz[k] for k in keys}
 
 
 def pixels(image: str, geometry: Geometry | None) -> torch.Tensor:
@@ -106,24 +142,27 @@ def pixels(image: str, geometry: Geometry | None) -> torch.Tensor:
     return rgb[:, top:top + h, left:left + w].contiguous()
 
 
-def _dumps(value: torch.Tensor, fmt: EntryFormat) -> bytes:
+def _dumps(value: torch.Tensor, fmt: EntryFormat, besides: Mapping[str, Any]) -> bytes:
     if fmt.container == "safetensors":
         import torch
         from safetensors.torch import save
 
-        tensors = {fmt.key: value, **{k: torch.as_tensor(v) for k, v in fmt.extras.items()}}
+        tensors = {fmt.key: value, **{k: torch.as_tensor(v) for k, v in
+                                      {**fmt.extras, **besides}.items()}}
         return save(tensors, metadata=dict(fmt.metadata) or None)
     if fmt.container == "npz":
         import numpy as np
+        import torch
 
         try:
-            array = value.numpy()
+            arrays = {k: v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+                      for k, v in {fmt.key: value, **fmt.extras, **besides}.items()}
         except TypeError:  # bfloat16 and other dtypes numpy lacks
             raise EntryMismatch(f"npz cannot hold {fmt.dtype}") from None
         buffer = io.BytesIO()
-        np.savez(buffer, **{fmt.key: array, **{k: np.asarray(v) for k, v in fmt.extras.items()}})
+        np.savez(buffer, **arrays)
         return buffer.getvalue()
-    obj: Any = value if fmt.key is None else {fmt.key: value, **fmt.extras}
+    obj: Any = value if fmt.key is None else {fmt.key: value, **fmt.extras, **besides}
     if fmt.location == "cpu":
         return torch_io.dumps(obj, fmt.container)
     from cachedoctor.fixtures.devices import stored_as
@@ -132,9 +171,12 @@ def _dumps(value: torch.Tensor, fmt: EntryFormat) -> bytes:
         return torch_io.dumps(obj, fmt.container)
 
 
-def verify(target: ReencodeTarget, written: str, expected: torch.Tensor) -> None:
+def verify(target: ReencodeTarget, written: str, expected: torch.Tensor,
+           besides: Mapping[str, Any] | None = None) -> None:
     """Raise EntryMismatch unless the file `written` is the entry asked for, loaded by the
-    trainer's own call, holding `expected` bit for bit and the asked values beside it."""
+    trainer's own call, holding `expected` and `besides` (encode's) bit for bit and the asked
+    values beside them."""
+    besides = besides or {}
     import torch
 
     with open(written, "rb") as f:
@@ -164,11 +206,24 @@ def verify(target: ReencodeTarget, written: str, expected: torch.Tensor) -> None
     if not torch.equal(value.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)):
         raise EntryMismatch("the latent read back differs from the one encoded")
     keys = [] if fmt.key is None else sorted(loaded)
-    if fmt.key is not None and keys != sorted([fmt.key, *fmt.extras]):
-        raise EntryMismatch(f"it holds {keys}, not {sorted([fmt.key, *fmt.extras])}")
+    asked = sorted([fmt.key, *fmt.extras, *besides]) if fmt.key is not None else []
+    if keys != asked:
+        raise EntryMismatch(f"it holds {keys}, not {asked}")
     for name, want in fmt.extras.items():
         if not _same(loaded[name], want):
             raise EntryMismatch(f"{name} reads back as {loaded[name]!r}, not {want!r}")
+    for name, want in besides.items():
+        if not _bits(loaded[name], want):
+            raise EntryMismatch(f"{name} reads back other than it was written")
+
+
+def _bits(got: Any, want: Any) -> bool:
+    """The same dtype, shape and bytes (NaN included), numpy or torch either side."""
+    import numpy as np
+    import torch
+
+    got, want = (v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for v in (got, want))
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
 def _same(got: Any, want: Any) -> bool:
