@@ -97,3 +97,28 @@ def test_a_null_cache_file_suffix_names_the_file_without_one(tmp_path: Path) -> 
     assert _serious(project.config) == []
     (photos / "aspect_ratio_bucket_indices.json").write_text('{"aspect_ratio_bucket_indices": [1]}')
     assert [code for code, _ in _serious(project.config)] == ["CD409"]
+
+
+def test_an_unhashed_vae_cache_scanned_from_above_is_no_bucket_split(tmp_path: Path) -> None:
+    """Before hashing (SimpleTuner before d647d99f, 2024-08-05, or `hash_filenames: false` until
+    3a00257a) caching/vae.py `generate_vae_cache_filename` named a latent `<stem>.pt`, in the
+    image's sub-folder under `cache_dir_vae`: one folder holds every aspect bucket. Scanned bare
+    from any folder above, no folder of it is a bucket; a bucket-named folder still is."""
+    from cachedoctor.fixtures.projects import encode, images
+
+    cache = tmp_path / "output" / "cache" / "vae" / "sdxl" / "photos"
+    written = images(tmp_path / "photos", n_per_bucket=2, caption=False)
+    written += images(tmp_path / "photos" / "closeups", n_per_bucket=2, seed=3, caption=False)
+    for n, (path, width, height, seed) in enumerate(written):
+        folder = cache / path.parent.relative_to(tmp_path / "photos")
+        folder.mkdir(parents=True, exist_ok=True)
+        save_latent(folder / f"{path.stem}.pt", encode(path, width, height, seed, dtype="bfloat16"),
+                    "gzip" if n % 2 else "zip")
+    age_all(tmp_path)
+    for target in (cache, cache.parent, cache.parent.parent, tmp_path / "output"):
+        assert [(f.code, f.path) for f in scan_paths(target).findings] == [], target
+    bucket = cache / "1024x1024"  # a folder named for a bucket: its latents must agree
+    bucket.mkdir()
+    for path, width, height, seed in written[:3]:
+        save_latent(bucket / f"{path.stem}.pt", encode(path, width, height, seed, dtype="bfloat16"))
+    assert [f.code for f in scan_paths(tmp_path / "output").findings] == ["CD301"]
