@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 from cachedoctor.formats.meta import FileMeta
@@ -26,6 +27,10 @@ from cachedoctor.formats.shard_blobs import (
 from cachedoctor.inventory import LATENT, METADATA, OTHER, TEMP, TEXT, Entry
 
 SQLITE_SIDE_FILES = (INDEX_NAME + "-journal", INDEX_NAME + "-wal", INDEX_NAME + "-shm")
+# text encoder i's caches (utils/dataset.py): `text_embeddings_<i>/` per size bucket, and
+# `uncond_text_embeddings_<i>/` beside the buckets, the embedding of the empty caption that
+# replaces a caption when it is dropped out (DirectoryDataset.cache_text_embeddings)
+TEXT_FOLDER = re.compile(r"^(uncond_)?text_embeddings_\d+$")
 
 
 def expand(entries: Iterable[Entry], deep: bool, directory: str
@@ -72,7 +77,7 @@ def _parts(entry: Entry, directory: str, name: str, index, deep: bool
     if number not in index.shards:
         yield entry._replace(role=TEMP), _whole(entry.path)
         return
-    role = TEXT if os.path.basename(directory).startswith("text_embeddings") else LATENT
+    role = TEXT if TEXT_FOLDER.match(os.path.basename(directory)) else LATENT
     try:
         for meta in blobs(entry.path, index, number, deep=deep):
             yield entry._replace(path=meta.path, role=role), meta

@@ -2,9 +2,10 @@
 Reports latents whose shape differs from the other latents of their aspect bucket. The bucket
 comes from the trainer's own metadata: SimpleTuner's `aspect_ratio_bucket_*.json`, the size in
 kohya's npz names with the dataset's bucket settings, OneTrainer's `crop_resolution` in
-`aggregate.pt`, ai-toolkit's crop size in the safetensors header; in a bare cache dir, each
-sub-folder is a bucket (files directly in the dir are not: a SimpleTuner VAE cache holds every
-aspect ratio in one flat folder). Which shape is right: where the trainer's metadata gives the
+`aggregate.pt`, ai-toolkit's crop size in the safetensors header; in a bare cache dir, a
+bucket-named sub-folder (`1024x1024`, `1.33`) is a bucket (files of any other folder are not: a
+SimpleTuner VAE cache holds every aspect ratio in one flat folder, or in sub-folders that mirror
+the image folders). Which shape is right: where the trainer's metadata gives the
 bucket's size, the one shape of that size (evidence, whatever the counts); else a clear majority
 (at least 2/3 of the bucket's latents). Files of another shape are reported, naming the right
 one. Without either (3 against 2, no metadata) the bucket's split is one warning naming both

@@ -7,7 +7,10 @@ written:
   concept's `path`);
 - an `{env:VAR}` placeholder whose variable is not set;
 - a duplicate dataset id;
-- a bucket metadata file that is not valid JSON.
+- a bucket file the trainer cannot load: SimpleTuner's `aspect_ratio_bucket_indices_<id>.json`
+  that is not valid JSON, not a JSON object, or whose `aspect_ratio_bucket_indices` is no
+  mapping (a file without that key, as SimpleTuner wrote until August 2023, is no finding:
+  SimpleTuner reads it as no buckets and buckets the images again).
 
 Each finding names the file, the line, the key and what was expected.
 
@@ -17,9 +20,9 @@ with a one-line error naming the file and line, and exit code 2.
 ## Why is this bad?
 Trainers react differently, and rarely well. SimpleTuner refuses to start without
 `instance_data_dir`, but silently substitutes an empty string for an unset `{env:VAR}` (so a
-cache dir may land in `/`). kohya and OneTrainer stop with a validation traceback. A damaged
-bucket file is thrown away and rebuilt on the next start, with every latent of the dataset
-re-checked.
+cache dir may land in `/`). kohya and OneTrainer stop with a validation traceback. A bucket
+file that is not JSON is thrown away and rebuilt on the next start, with every latent of the
+dataset re-checked; one that is JSON of the wrong shape stops SimpleTuner in `reload_cache`.
 
 ## Example
 ```

@@ -22,15 +22,15 @@ RANK_SCRIPT = Path(__file__).with_name("preflight_rank.py")
 
 
 def _bare(root: Path) -> Path:
-    """A bare cache with a clear majority (one odd shape), a split (3 against 3), a dtype
-    minority, files saved from two devices, retained storage and an empty file."""
+    """A bare cache with a clear majority in a bucket folder (one odd shape), a split (3 against
+    3), a dtype minority, files saved from two devices, retained storage and an empty file."""
     cache = root / "bare"
-    clean.build(cache / "majority", n=5)
+    clean.build(cache / "majority" / "64x64", n=5)
     odd = clean.build(root / "tmp_odd", n=1, shape=(4, 12, 8))
-    shutil.move(odd[0], cache / "majority" / "odd.pt")
-    clean.build(cache / "split", n=3)
+    shutil.move(odd[0], cache / "majority" / "64x64" / "odd.pt")
+    clean.build(cache / "split" / "64x64", n=3)
     for i, path in enumerate(clean.build(root / "tmp_split", n=3, shape=(4, 8, 12))):
-        shutil.move(path, cache / "split" / f"other_{i}.pt")
+        shutil.move(path, cache / "split" / "64x64" / f"other_{i}.pt")
     clean.build(cache / "dtypes", n=4, dtype="float16")
     for i, path in enumerate(clean.build(root / "tmp_dtype", n=1, dtype="float32")):
         shutil.move(path, cache / "dtypes" / f"wide_{i}.pt")
@@ -41,14 +41,15 @@ def _bare(root: Path) -> Path:
 
 
 def _healthy(root: Path, n: int) -> Path:
-    """`n` copies of one clean latent, and a bucket where one latent has another shape."""
+    """`n` copies of one clean latent, and a bucket folder where one latent has another
+    shape."""
     cache = root / f"healthy_{n}"
     [first] = clean.build(cache / "bulk", n=1)
     for i in range(1, n):
         shutil.copyfile(first, cache / "bulk" / f"copy_{i:05d}.pt")
-    clean.build(cache / "odd", n=3)
+    clean.build(cache / "odd" / "64x64", n=3)
     [odd] = clean.build(root / f"tmp_healthy_{n}", n=1, shape=(4, 16, 8))
-    shutil.move(odd, cache / "odd" / "odd.pt")
+    shutil.move(odd, cache / "odd" / "64x64" / "odd.pt")
     return cache
 
 

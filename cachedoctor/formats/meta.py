@@ -26,6 +26,7 @@ TEXT = "text"
 JSON = "json"
 UNKNOWN = "unknown"
 ARROW = "arrow"  # an Arrow IPC stream or file (🤗 datasets caches): a table, no tensors
+PARQUET = "parquet"  # a Parquet file (diffusers' flux_lora_quantization embeddings): a table
 
 TENSOR_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, SAFETENSORS, NPZ, NPY})
 PICKLE_FORMATS = frozenset({TORCH_ZIP, TORCH_LEGACY, PICKLE})

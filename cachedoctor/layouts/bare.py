@@ -1,8 +1,11 @@
 """A cache directory (or file) given with no trainer config: one dataset named for it.
 
-Roles come from the files. Buckets come from sub-folders (files directly in the directory are
-no bucket: a SimpleTuner VAE cache is flat with every aspect mixed), except where a file's name
-or place shows a trainer's own layout, whose bucket semantics then apply:
+Roles come from the files. Buckets come from bucket folders (`1024x1024`, `1.33`: see
+PART_OF_PARENT) in a dataset's folder; files directly in a dataset's folder are no bucket,
+whether the scan starts there or above it (a SimpleTuner VAE cache is flat with every aspect
+mixed, and unhashed `<stem>.pt` names or sub-folders mirroring the image folders do not change
+that), except where a file's name or place shows a trainer's own layout, whose bucket
+semantics then apply:
 - `_latent_cache/*.safetensors` (ai-toolkit): the crop size in the header metadata;
 - `<stem>_<W>x<H>_<arch>.npz` and legacy `<stem>.npz` (kohya): no bucket (the name gives the
   image's size, the bucket needs the dataset's settings); a directory that holds such files
@@ -218,13 +221,16 @@ def _holds_cache_files(path: str, _mtime_ns: int) -> bool:
 
 class _Directory(DirectoryNaming):
     def __init__(self, naming: BareNaming, path: str, bucket: str | None) -> None:
-        super().__init__(bucket)
+        self.root = naming.root
+        self.group = dataset_folder(path, naming.root)
+        # a folder is its files' bucket only where it is part of its parent's dataset (a
+        # bucket folder): a dataset's own folder holds every aspect mixed (SimpleTuner's flat
+        # VAE cache), whether the scan started there or above it
+        super().__init__(bucket if self.group != path else None)
         self.path = path
         base = os.path.basename(path)
         self.kind = None
-        self.folder = CacheFacts(bucket=bucket)  # made once: most files get exactly this
-        self.root = naming.root
-        self.group = dataset_folder(path, naming.root)
+        self.folder = CacheFacts(bucket=self.bucket)  # made once: most files get exactly this
         if base == aitoolkit.LATENT_DIR:
             self.kind = "ai-toolkit"
         elif onetrainer.VARIATION.match(base):

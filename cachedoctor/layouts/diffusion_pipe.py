@@ -9,7 +9,9 @@ config's folder, else (a config in a sub-folder of that working dir) its parent.
 `<path>/cache/<model name>/`: `metadata/` (🤗 datasets Arrow files), then per size bucket
 `cache_<AR>x<W>x<H>x<frames>/` holding `latents/` and `text_embeddings_<i>/` (with aspect
 buckets, the text embeddings are in `ar_frames_<AR>_<frames>/`), each a sharded cache (metadata.db + shard_<n>.bin, see
-formats/shard_blobs.py) and `iteration_order/`. The model name is the model class's `name`,
+formats/shard_blobs.py) and `iteration_order/`; beside the buckets, `uncond_text_embeddings_<i>/`
+holds text encoder i's embedding of the empty caption (used where a caption is dropped out).
+The model name is the model class's `name`,
 mostly the configured type; where the folder of that name is absent, all of `<path>/cache/` is
 checked, each model's folder as a dataset of its own when there are several (a Wan type caches
 in `wan_i2v/`, `wan2.2_5b/`, ... by its checkpoint, models/wan/wan.py). A cache inside the

@@ -23,7 +23,7 @@ What is read (simpletuner/helpers/data_backend/factory.py, configuration/env_fil
   (`fill_variables_in_config_paths`; an unset VAR becomes "" there, a CD409 here).
 - bucket files in the image dir: `aspect_ratio_bucket_indices_<suffix>.json` (bucket ->
   absolute image paths) and `aspect_ratio_bucket_metadata_<suffix>.json` (path ->
-  `target_size` [w, h]); suffix = `cache_file_suffix` or the id. A latent's expected size is
+  `target_size` [w, h]); suffix = `cache_file_suffix` (null: none) or the id. A latent's expected size is
   `target_size` over its model family's factor (`latent_factor`: 8, 16 or 32; unknown: none).
 
 Naming (caching/vae.py `generate_vae_cache_filename`): `<cache_dir_vae>/<sub>/<sha256(stem)>.pt`
@@ -58,7 +58,7 @@ from cachedoctor.layouts.base import (
 from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
 from cachedoctor.layouts.paths import resolve
-from cachedoctor.layouts.sources import ConfigFile
+from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
 from cachedoctor.remote import is_remote, join
 from cachedoctor.remote.client import Endpoint, configure, read_object
@@ -513,8 +513,12 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
     text_dir = text_dirs.get(text_id) if isinstance(text_id, str) else None
     if text_dir is None and text_dirs:
         text_dir = next(iter(text_dirs.values()))
-    suffix = values.get("cache_file_suffix") or ident
-    buckets = _bucket_files(backend, entry, image_dir, configured, str(suffix), problems,
+    # MetadataBackend: `<name>_<suffix>.json`, with no `_<suffix>` for a suffix set to null
+    # (what SimpleTuner's 9b833d22f, which made the id the default, told users to set to keep
+    # their old bucket files); factory.py: `backend.get("cache_file_suffix", id)`
+    suffix = values.get("cache_file_suffix", ident)
+    buckets = _bucket_files(backend, entry, image_dir, configured,
+                            "" if suffix is None else f"_{suffix}", problems,
                             values.get("metadata_backend", "discovery"), g.factor)
     naming = SimpleTunerNaming(
         instance_dir=configured, image_root=image_dir, cache_root=cache_dir,
@@ -547,23 +551,39 @@ class _Buckets:
 def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured: str,
                   suffix: str, problems: Problems, metadata_backend: Any,
                   factor: int | None = VAE_FACTOR) -> _Buckets:
+    """The bucket files `aspect_ratio_bucket_{indices,metadata}<suffix>.json` as SimpleTuner
+    reads them (metadata/backends/discovery.py `reload_cache`): `cache_data.get(
+    "aspect_ratio_bucket_indices", {})`, its keys made floats with `.items()`. A JSON object
+    without that key (the files of June-August 2023, which held the mapping itself, or a
+    caption dataset's `ordered_ids`) loads as no buckets, and SimpleTuner buckets every image
+    again and rewrites the file: not an error, and nothing to take buckets from. What stops
+    SimpleTuner is a file that is no JSON object (`cache_data.get` raises) or a key that
+    holds something `.items()` fails on."""
     out = _Buckets()
     if metadata_backend not in (None, "discovery", "json"):
         return out  # parquet / huggingface metadata: not bucket JSON files
-    indices_path = os.path.join(image_dir, f"aspect_ratio_bucket_indices_{suffix}.json")
-    metadata_path = os.path.join(image_dir, f"aspect_ratio_bucket_metadata_{suffix}.json")
+    indices_path = os.path.join(image_dir, f"aspect_ratio_bucket_indices{suffix}.json")
+    metadata_path = os.path.join(image_dir, f"aspect_ratio_bucket_metadata{suffix}.json")
     indices = _read_json(indices_path, entry.id, problems)
     metadata = _read_json(metadata_path, entry.id, problems)
+    if indices is None:
+        return out
+    origin = Origin(indices_path, "aspect_ratio_bucket_indices", None)
     if not isinstance(indices, dict):
+        problems.invalid(origin, f"the bucket file holds {type_name(indices)}: expected a JSON "
+                         "object (SimpleTuner stops in reload_cache: "
+                         f"'{type(indices).__name__}' object has no attribute 'get')", entry.id)
         return out
-    out.origin = Origin(indices_path, "aspect_ratio_bucket_indices", None)
-    out.metadata_file = metadata_path if isinstance(metadata, dict) else None
     raw = indices.get("aspect_ratio_bucket_indices")
+    if not raw and not isinstance(raw, dict):
+        return out  # absent or null: no buckets, SimpleTuner buckets the images again
     if not isinstance(raw, dict):
-        problems.invalid(out.origin, "aspect_ratio_bucket_indices is missing or not a mapping: "
-                         "expected {bucket: [image paths]} (SimpleTuner rebuilds the file)",
-                         entry.id)
+        problems.invalid(origin, f"aspect_ratio_bucket_indices is {type_name(raw)}: expected "
+                         "{bucket: [image paths]} (SimpleTuner stops in reload_cache: "
+                         f"'{type(raw).__name__}' object has no attribute 'items')", entry.id)
         return out
+    out.origin = origin
+    out.metadata_file = metadata_path if isinstance(metadata, dict) else None
     listed: set[str] = set()
     sizes = metadata if isinstance(metadata, dict) else {}
     for bucket, paths in raw.items():

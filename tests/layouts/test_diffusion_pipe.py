@@ -34,8 +34,8 @@ def test_clean_cache_is_silent_and_every_blob_is_checked(tmp_path: Path) -> None
     assert report.findings == ()
     assert report.trainers == ("diffusion-pipe",)
     blobs = [p for p in report.checked if "@" in p]
-    # 3 buckets x 4 images, one latent and one text embedding each
-    assert len(blobs) == 24
+    # 3 buckets x 4 images, one latent and one text embedding each; the empty caption's
+    assert len(blobs) == 25
     first = latents_of(project)
     expected = [f"{first / 'shard_0.bin'}@{o}" for o, _ in dp.shard_rows(first, 0)]
     assert set(expected) <= set(blobs)
@@ -96,6 +96,30 @@ def test_each_text_encoder_s_cache_is_compared_with_its_own_kind(tmp_path: Path)
     (mixed,) = by_code(scan_paths(project.config), "CD304")
     assert "(text_embeddings_1)" in mixed.message
     assert mixed.details["files"] == [f"{odd / 'shard_2.bin'}@0"]
+
+
+def test_the_empty_caption_s_embeddings_are_text_embeddings(tmp_path: Path) -> None:
+    """`uncond_text_embeddings_<i>/` (beside the size buckets) holds text encoder i's embedding
+    of the caption "" (utils/dataset.py DirectoryDataset.cache_text_embeddings, 8f83dbf2): a
+    text embedding, never a latent, whatever its keys say; a cut one is still CD101."""
+    import torch
+
+    from cachedoctor.inventory import TEXT, Entry
+    from cachedoctor.sharded import expand
+
+    folder = dp.cache_of(dp.build(tmp_path)) / "uncond_text_embeddings_1"
+    # an LLM encoder's output: keys no text rule knows by name, a [1, seq, dim] hidden state
+    dp.write_cache(folder, [{"llm_hidden": torch.randn(1, 7, 48).to(torch.bfloat16),
+                             "llm_lengths": torch.tensor([7])}])
+    shard = folder / "shard_0.bin"
+    parts = list(expand([Entry(str(shard), "latent")], False, str(folder)))
+    assert [(entry.role, meta.errors) for entry, meta in parts] == [(TEXT, ())]
+    report = scan_paths(tmp_path / "dataset")
+    assert serious(report) == []
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    assert [(f.code, f.path) for f in serious(scan_paths(tmp_path / "dataset"))] == [
+        ("CD101", f"{shard}@0")]
 
 
 def test_deep_finds_a_flipped_byte_inside_a_blob(tmp_path: Path) -> None:
