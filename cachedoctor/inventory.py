@@ -30,7 +30,8 @@ IMAGE_EXTENSIONS = frozenset(
     {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jxl", ".avif"}
 )
 CACHE_EXTENSIONS = frozenset(
-    {".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".safetensors", ".npz", ".npy", ".arrow"}
+    {".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".safetensors", ".npz", ".npy", ".arrow",
+     ".parquet"}
 )
 # atomicwrites' NamedTemporaryFile (tmp + 8 of [a-z0-9_]); SimpleTuner's Nov-Dec 2024
 # `.<name>.tmp`; `*.pt.tmp`; and lock files left by writers that died holding them.

@@ -21,6 +21,7 @@ from cachedoctor.formats import (
     gzipped,
     numpy_npy,
     numpy_npz,
+    parquet,
     safetensors_header,
     torch_legacy,
     torch_tar,
@@ -35,6 +36,7 @@ from cachedoctor.formats.meta import (
     JSON,
     NPY,
     NPZ,
+    PARQUET,
     PICKLE,
     SAFETENSORS,
     TEXT,
@@ -73,6 +75,7 @@ READERS: dict[str, Reader] = {
     SAFETENSORS: safetensors_header,
     NPY: numpy_npy,
     ARROW: arrow_ipc,
+    PARQUET: parquet,
 }
 ZIP_READERS: dict[str, ZipReader] = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
 
@@ -81,7 +84,7 @@ ZIP_READERS: dict[str, ZipReader] = {TORCH_ZIP: torch_zip, NPZ: numpy_npz}
 EXTENSION_FORMATS = {
     ".pt": TORCH_ZIP, ".pth": TORCH_ZIP, ".bin": TORCH_ZIP, ".ckpt": TORCH_ZIP,
     ".pkl": PICKLE, ".pickle": PICKLE,
-    ".safetensors": SAFETENSORS, ".npz": NPZ, ".npy": NPY, ".arrow": ARROW,
+    ".safetensors": SAFETENSORS, ".npz": NPZ, ".npy": NPY, ".arrow": ARROW, ".parquet": PARQUET,
 }
 IMAGE_MAGIC = (
     b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*",
@@ -124,6 +127,8 @@ def sniff(head: bytes, size: int) -> str:
         return NPY
     if arrow_ipc.sniff(head):
         return ARROW
+    if parquet.sniff(head):
+        return PARQUET
     if len(head) >= 9 and (head[8:9] == b"{" or _padded_safetensors(head, size)):
         return SAFETENSORS
     if head.startswith(IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):

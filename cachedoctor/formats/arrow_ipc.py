@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import struct
 
-from cachedoctor.formats import parquet
 from cachedoctor.formats.meta import ARROW, FileMeta
 from cachedoctor.formats.source import Source
 
@@ -33,17 +32,13 @@ class ArrowError(ValueError):
 
 
 def sniff(head: bytes) -> bool:
-    """An Arrow file, or a stream that opens with a continuation and a sane metadata length;
-    or a Parquet file, which read() hands to formats/parquet.py (a stand-in for its own entry
-    in formats/__init__.py's sniff and READERS)."""
-    if head.startswith(FILE_MAGIC) or parquet.sniff(head):
+    """An Arrow file, or a stream that opens with a continuation and a sane metadata length."""
+    if head.startswith(FILE_MAGIC):
         return True
     return head[:4] == CONTINUATION and len(head) >= 8 and 8 <= _I32.unpack_from(head, 4)[0] < 1 << 26
 
 
 def read(src: Source, path: str, deep: bool = False) -> FileMeta:
-    if parquet.sniff(src.pread(0, 4)):
-        return parquet.read(src, path, deep)
     try:
         facts = _walk(src)
     except ArrowError as exc:

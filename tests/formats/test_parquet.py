@@ -89,3 +89,15 @@ def test_a_damaged_footer_is_an_error_and_garbage_never_raises() -> None:
             mutated[at] = rng.randrange(256)
         meta = read_bytes(bytes(mutated), "e.parquet")  # never raises
         assert meta.format == PARQUET
+
+
+def test_a_parquet_name_promises_a_cache_file(tmp_path: Path) -> None:
+    """`.parquet` is a cache name, as `.arrow` is: an empty one is CD102 and bytes that are no
+    Parquet under it are CD101 (not a foreign file, CD107); a healthy one draws nothing."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "embeddings.parquet").write_bytes(parquet_bytes(embeddings_table(3)))
+    (cache / "empty.parquet").write_bytes(b"")
+    (cache / "text.parquet").write_bytes(b"image_hash,prompt_embeds\n")
+    found = {(f.code, Path(f.path).name) for f in scan_paths(cache).findings}
+    assert found == {("CD102", "empty.parquet"), ("CD101", "text.parquet")}
