@@ -292,3 +292,44 @@ def test_next_names_reencode_only_when_entries_are_missing() -> None:
     assert "--reencode --encoder SPEC` it also encodes the 2 missing entries" in \
         next_steps(report("reencode", "reencode", "quarantine"))
     assert "--reencode" not in next_steps(report("quarantine"))
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """The installed command with its stdout on a pseudo-terminal, as a user at a shell runs it."""
+    import pty
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "cachedoctor", *args], stdout=follower,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    return proc.wait(timeout=120), b"".join(chunks).decode(), stderr
+
+
+def test_the_terminal_table_shows_rich_markup_in_names_as_written(tmp_path: Path) -> None:
+    """The table is drawn by rich, which reads `[...]` in a string as markup: a file name must
+    neither forge a hyperlink or a style nor, with an unmatched `[/]`, fail the whole report."""
+    cache = tmp_path / "cache"
+    (cache / "a[").mkdir(parents=True)
+    (cache / "a[" / "]b.pt").write_bytes(b"")  # shown as a[/]b.pt: a closing tag
+    (cache / "[link=https:__evil.example]c[_link].pt").write_bytes(b"")
+    code, out, err = _on_a_terminal("scan", "--verbose", "--isolated", str(cache))
+    assert code == 1, err
+    assert "MarkupError" not in err and "internal error" not in err
+    flat = re.sub(r"\s+", "", out)  # the table folds long names over lines
+    assert "a[/]b.pt" in flat
+    assert "[link=https:__evil.example]c[_link].pt" in flat
+    assert "\x1b]8;" not in out  # no OSC 8 hyperlink
