@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 from cachedoctor.checks import missing_cache_entries
-from cachedoctor.findings import display_path
+from cachedoctor.findings import display_path, printable
 from cachedoctor.fix_kinds import COMPACT, KINDS, QUARANTINE, REENCODE, TO_CPU
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.repair.apply import RunResult
@@ -166,7 +166,9 @@ def render_runs(listed: Iterable[Listed], out: TextIO) -> None:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.run.started))
         actions = ", ".join(f"{kind} {sum(c.values())}" + _states(c) for kind, c in s.counts.items())
         state = s.run.state + (", purged" if s.purged is not None else "")
-        rows.append((s.run.run_id, started, state, actions or "-", display_path(s.root)))
+        # a journal may come with a cache someone else wrote: its ids and states are text from it
+        rows.append((printable(s.run.run_id), started, printable(state), printable(actions or "-"),
+                     display_path(s.root)))
     if len(rows) == 1:
         out.write("No runs.\n")
         return

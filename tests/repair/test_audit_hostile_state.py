@@ -195,3 +195,33 @@ def test_a_cachedoctor_file_in_place_of_the_folder_is_one_clear_line(tmp_path: P
         "there; move that file away"]
     assert (cache / STATE_DIR).read_text() == "someone's notes"
     assert (cache / "truncated_archive.pt").exists()
+
+
+def test_a_forged_journal_prints_no_control_character(tmp_path: Path) -> None:
+    """A journal's run ids, states and paths are text from whoever wrote the cache: listed,
+    recovered or undone, none may retitle or clear the terminal or forge an output line."""
+    import re
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _fixed(cache)
+    forged = "r\x1b]0;PWN\x07\x1b[2J\nFAKE"
+    conn = sqlite3.connect(cache / STATE_DIR / JOURNAL)
+    with conn:  # an interrupted run, and a done one whose file has changed since
+        for run_id, state, action in ((forged, "running", "started"), (forged + "2", "done", "done")):
+            conn.execute("INSERT INTO runs (run_id, started, state) VALUES (?, 1000, ?)",
+                         (run_id, state))
+            conn.execute("INSERT INTO actions (run_id, seq, action, relpath, path, codes, state, "
+                         "sha_after, updated) VALUES (?, 1, 'compact\x1b[31m', ?, ?, 'CD201', ?, "
+                         "'0', 1000)", (run_id, b"clean_0.pt", b"clean_0.pt", action))
+    conn.close()
+    (cache / STATE_DIR / "quarantine" / (forged + "2")).mkdir(parents=True)
+    (cache / STATE_DIR / "quarantine" / (forged + "2") / "clean_0.pt").write_bytes(b"kept")
+
+    for args in (("fix", "--list-runs", str(cache)), ("undo", forged + "2", "--cache", str(cache))):
+        result = run_cli(*args)
+        out = result.stdout + result.stderr
+        assert "Traceback" not in out and forged + "2" not in out, out
+        assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", out), out
+        assert not any(line.startswith("FAKE") for line in out.splitlines()), out
+    assert "r\\x1b]0;PWN\\x07\\x1b[2J\\x0aFAKE2" in result.stdout  # undo names the run it undid
