@@ -4,6 +4,7 @@ journal or quarantine folder made to lead `purge` and `undo` out of the cache.""
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -225,3 +226,25 @@ def test_a_forged_journal_prints_no_control_character(tmp_path: Path) -> None:
         assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", out), out
         assert not any(line.startswith("FAKE") for line in out.splitlines()), out
     assert "r\\x1b]0;PWN\\x07\\x1b[2J\\x0aFAKE2" in result.stdout  # undo names the run it undid
+
+
+@pytest.mark.parametrize("link", ["quarantine", "run folder"])
+def test_undo_removes_no_folder_through_a_symlinked_quarantine(tmp_path: Path, link: str) -> None:
+    """Undo tidies the run's emptied quarantine folders away: where `quarantine/` (or the run's
+    folder in it) was swapped for a symlink since the run, no folder it leads to is removed."""
+    cache, victim = tmp_path / "cache", _victim(tmp_path)
+    cache.mkdir()
+    run_id = _fixed(cache)
+    quarantine = cache / STATE_DIR / "quarantine"
+    shutil.rmtree(quarantine)
+    (victim / run_id / "empty").mkdir(parents=True)  # empty folders: what undo may rmdir
+    if link == "quarantine":
+        quarantine.symlink_to(victim, target_is_directory=True)
+    else:
+        quarantine.mkdir()
+        (quarantine / run_id).symlink_to(victim / run_id, target_is_directory=True)
+
+    result = run_cli("undo", run_id, "--cache", str(cache))
+
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
+    assert (victim / run_id / "empty").is_dir() and (victim / "keep.txt").read_text() == "precious"
