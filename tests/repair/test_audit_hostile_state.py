@@ -248,3 +248,20 @@ def test_undo_removes_no_folder_through_a_symlinked_quarantine(tmp_path: Path, l
 
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
     assert (victim / run_id / "empty").is_dir() and (victim / "keep.txt").read_text() == "precious"
+
+
+def test_a_plan_names_a_symlinked_folder_s_target_as_inert_text(tmp_path: Path) -> None:
+    """A skipped file's reason names where a symlinked folder leads: a name the cache's author
+    chose, shown without its escape sequence or newline."""
+    import re
+
+    cache, elsewhere = tmp_path / "cache", tmp_path / "out\x1b[2J\nFAKE"
+    cache.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "a.pt").write_bytes(b"")
+    (cache / "sub").symlink_to(elsewhere, target_is_directory=True)
+
+    result = run_cli("fix", str(cache), "--dry-run")
+
+    assert "out\\x1b[2J\\x0aFAKE, outside the cache" in result.stdout, result.stdout
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", result.stdout + result.stderr)
