@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cachedoctor import __version__
-from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, confirm, fail
+from cachedoctor.cli_usage import EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_USAGE, Command, confirm, fail, say
 from cachedoctor.cli_usage import run as run_app
 from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn
 from cachedoctor.harness.cli import harness_app
@@ -507,7 +507,7 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
             if not dry_run:  # a dry run takes no lock and creates nothing
                 guard = stack.enter_context(guarded(roots, wait, "fix"))
                 for note in guard.notes:
-                    typer.echo(note)
+                    say(note)
             else:
                 _pending_notes(roots)
             if dry_run or not any(os.path.isdir(os.path.join(r, STATE_DIR)) for r in roots):
@@ -558,7 +558,7 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
                     progress.stop()
             render_result(result, sys.stdout, verbose=verbose, plan=plan, targets=targets)
             for note in result.notes:
-                typer.echo(note, err=True)
+                say(note, err=True)
             return EXIT_FINDINGS if result.failed or result.skipped else 0
     except (LockBusy, JournalError) as exc:
         raise fail(str(exc)) from None
@@ -628,8 +628,8 @@ def _pending_notes(roots: tuple[str, ...]) -> None:
 
     for summary in list_runs(roots):
         if summary.run.state in (RUNNING, UNDOING):
-            typer.echo(f"Run {summary.run.run_id} on {summary.root} is under way or was interrupted: "
-                       "the next fix or undo finishes it (a dry run leaves it).")
+            say(f"Run {summary.run.run_id} on {summary.root} is under way or was interrupted: "
+                "the next fix or undo finishes it (a dry run leaves it).")
 
 
 @app.command(cls=Command)
@@ -682,10 +682,10 @@ def undo(
     conflicts = 0
     for result in results:
         for note in result.recovered:
-            typer.echo(note)
-        typer.echo(f"Undid run {result.run_id} in {result.root}: {result.restored} file(s) put back.")
+            say(note)
+        say(f"Undid run {result.run_id} in {result.root}: {result.restored} file(s) put back.")
         for why in result.conflicts:
-            typer.echo(f"  left alone: {why}")
+            say(f"  left alone: {why}")
         conflicts += len(result.conflicts)
     raise typer.Exit(EXIT_FINDINGS if conflicts else 0)
 
@@ -731,7 +731,7 @@ def purge(
     if not yes and not sys.stdin.isatty():
         raise fail("not deleting without --yes when stdin is not a terminal")
     for t in chosen:
-        typer.echo(f"Run {t.run_id} in {t.root}: {t.files} file(s), {human_bytes(t.bytes)} in the quarantine")
+        say(f"Run {t.run_id} in {t.root}: {t.files} file(s), {human_bytes(t.bytes)} in the quarantine")
     total = sum(t.bytes for t in chosen)
     if not yes:
         try:
@@ -753,10 +753,10 @@ def purge(
         raise fail(f"{exc.filename or ''}: {exc.strerror or exc}") from None
     for p in done:
         for note in p.notes:
-            typer.echo(note)
+            say(note)
         for why in p.failed:
-            typer.echo(f"cachedoctor: {why}", err=True)
-        typer.echo(f"Purged run {p.target.run_id} in {p.target.root}: {p.target.files} file(s), "
+            say(f"cachedoctor: {why}", err=True)
+        say(f"Purged run {p.target.run_id} in {p.target.root}: {p.target.files} file(s), "
                    f"{human_bytes(p.target.bytes)} freed" + (" (not all: see above)." if p.failed else "."))
     raise typer.Exit(EXIT_FINDINGS if any(p.failed for p in done) else 0)
 

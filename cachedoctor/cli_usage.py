@@ -11,14 +11,22 @@ from typing import Any
 import typer
 from typer.core import TyperArgument, TyperCommand
 
+from cachedoctor.findings import printable
+
 EXIT_FINDINGS, EXIT_USAGE = 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
 def fail(message: str) -> typer.Exit:
     """Print a one-line error and return the exit for usage/environment errors."""
-    typer.echo(f"cachedoctor: error: {message}", err=True)
+    say(f"cachedoctor: error: {message}", err=True)
     return typer.Exit(EXIT_USAGE)
+
+
+def say(line: str, err: bool = False) -> None:
+    """Print one line that holds text from a cache (a file name, a journal's run id or path):
+    its control characters shown as escapes, so it stays one line of inert text."""
+    typer.echo(printable(line), err=err)
 
 
 class Command(TyperCommand):

@@ -143,8 +143,8 @@ class Finding:
             "name": self.name,
             "severity": str(self.severity),
             "path": display_path(self.path, cwd),
-            "dataset": self.dataset,
-            "message": self.message,
+            "dataset": None if self.dataset is None else printable(self.dataset),
+            "message": printable(self.message),
             "details": jsonable(self.details),
             "fix": self.fix,
         }
@@ -163,8 +163,11 @@ def jsonable(value: Any) -> Any:
 
 
 # C0, DEL and C1 controls: a file name may hold a newline, or an escape sequence that retitles or
-# clears the terminal a report is printed on
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+# clears the terminal a report is printed on; and the Unicode line separators (str.splitlines and
+# JavaScript end a line there) and bidi controls (they show text in another order than it is)
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F),
+                               *range(0x2066, 0x206A))}
 
 
 def printable(text: str) -> str:

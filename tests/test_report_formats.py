@@ -292,3 +292,83 @@ def test_next_names_reencode_only_when_entries_are_missing() -> None:
     assert "--reencode --encoder SPEC` it also encodes the 2 missing entries" in \
         next_steps(report("reencode", "reencode", "quarantine"))
     assert "--reencode" not in next_steps(report("quarantine"))
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """The installed command with its stdout on a pseudo-terminal, as a user at a shell runs it."""
+    import pty
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "cachedoctor", *args], stdout=follower,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    return proc.wait(timeout=120), b"".join(chunks).decode(), stderr
+
+
+def test_the_terminal_table_shows_rich_markup_in_names_as_written(tmp_path: Path) -> None:
+    """The table is drawn by rich, which reads `[...]` in a string as markup: a file name must
+    neither forge a hyperlink or a style nor, with an unmatched `[/]`, fail the whole report."""
+    cache = tmp_path / "cache"
+    (cache / "a[").mkdir(parents=True)
+    (cache / "a[" / "]b.pt").write_bytes(b"")  # shown as a[/]b.pt: a closing tag
+    (cache / "[link=https:__evil.example]c[_link].pt").write_bytes(b"")
+    code, out, err = _on_a_terminal("scan", "--verbose", "--isolated", str(cache))
+    assert code == 1, err
+    assert "MarkupError" not in err and "internal error" not in err
+    flat = re.sub(r"\s+", "", out)  # the table folds long names over lines
+    assert "a[/]b.pt" in flat
+    assert "[link=https:__evil.example]c[_link].pt" in flat
+    assert "\x1b]8;" not in out  # no OSC 8 hyperlink
+
+
+# what may not reach a reader from a cache: C0/C1 controls (escape sequences, newlines), the
+# Unicode line separators and the bidi controls that reorder what a line shows
+FORGING = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+                     "\u2066-\u2069]")
+
+
+def _strings(value: object):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "sarif", "github", "junit"])
+def test_names_inside_files_and_of_files_reach_no_format_as_controls(fmt: str, tmp_path: Path) -> None:
+    """A zip member's name and a file's name are the cache author's text: in every format, in a
+    message as in a path, no escape sequence, line separator or bidi override gets through (in
+    JSON, not even as an escape that a consumer decodes and prints)."""
+    import zipfile
+
+    forged = "\x1b]0;PWN\x07\x1b[2J\nFAKE: CD000 error\u2028\u202egnp.evil"
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with zipfile.ZipFile(cache / "member.npz", "w") as z:
+        z.writestr(forged + ".npy", b"no array")
+    (cache / f"{forged}.pt").write_bytes(b"")
+    result = invoke("scan", str(cache), "--isolated", "--format", fmt)
+    assert result.exit_code == 1
+    texts = list(_strings(json.loads(result.stdout))) if fmt in ("json", "sarif") else [result.stdout]
+    assert not [t for t in texts if FORGING.search(t.replace("\n", ""))]
+    assert not any(line.startswith("FAKE") for t in texts for line in t.splitlines())
+    assert sum(t.count("\\u202egnp.evil") for t in texts) >= 2  # the name and the member, shown

@@ -45,7 +45,7 @@ from cachedoctor.layouts.common import Problems, ending, listdir, names, typed, 
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
-from cachedoctor.regular_files import read_small
+from cachedoctor.regular_files import open_regular, read_small
 
 NAME = "musubi"
 TITLE = "musubi-tuner"
@@ -101,6 +101,7 @@ DATASET_KEYS = frozenset({"image_directory", "video_directory", "image_jsonl_fil
 DEFAULTS = {"resolution": (960, 544), "enable_bucket": False, "bucket_no_upscale": False,
             "target_frames": (1,), "frame_extraction": "head"}
 MAX_CAPTION_BYTES = 65536
+MAX_JSONL_BYTES = 256 * 2**20  # a million captions; past that its captions are not compared
 
 
 def claims(config: ConfigFile) -> bool:
@@ -286,7 +287,11 @@ def _captions(media: str | None, extension: object, jsonl: str | None,
         return out
     if jsonl is not None:
         try:
-            with open(jsonl, encoding="utf-8") as f:
+            fd, st = open_regular(jsonl)  # a FIFO must not hang the scan, nor /dev/zero fill memory
+            if st.st_size > MAX_JSONL_BYTES:
+                os.close(fd)
+                return None
+            with open(fd, encoding="utf-8") as f:
                 for line in f:
                     try:
                         item = json.loads(line)

@@ -60,6 +60,7 @@ from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, N
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
+from cachedoctor.regular_files import open_regular
 from cachedoctor.remote import is_remote, join
 from cachedoctor.remote.client import Endpoint, configure, read_object
 
@@ -608,13 +609,22 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
     return out
 
 
+MAX_BUCKET_FILE = 64 * 2**20  # a bucket file of a million images is ~40 MB
+
+
 def _read_json(path: str, dataset: str, problems: Problems) -> Any:
     try:
         if is_remote(path):  # a bucket file of an aws backend, in its bucket
-            raw = read_object(path, 64 * 2**20)
+            raw = read_object(path, MAX_BUCKET_FILE)
             return None if raw is None else json.loads(raw)
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        # in the cache dir, which may come from someone else: a FIFO there must not hang the
+        # scan, nor a symlink to /dev/zero fill memory
+        fd, _ = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_BUCKET_FILE + 1)
+        if len(raw) > MAX_BUCKET_FILE:
+            raise OSError(f"larger than {MAX_BUCKET_FILE // 2**20} MiB: not checked")
+        return json.loads(raw)
     except FileNotFoundError:
         return None
     except OSError as exc:

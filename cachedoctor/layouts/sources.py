@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cachedoctor.layouts.base import Origin, TargetError
+from cachedoctor.regular_files import open_regular
 
 KINDS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".env": "env"}
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
@@ -69,8 +70,11 @@ def kind_of(path: str) -> str | None:
 
 
 def read_text(path: str) -> str:
+    # a regular file only, opened without blocking: a config (or one it names) may come with a
+    # cache, and a FIFO there would hang the scan
     try:
-        with open(path, "rb") as f:
+        fd, _ = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise TargetError(f"{path}: cannot read: {exc.strerror or exc}") from None

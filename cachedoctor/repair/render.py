@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 from cachedoctor.checks import missing_cache_entries
-from cachedoctor.findings import display_path
+from cachedoctor.findings import display_path, printable
 from cachedoctor.fix_kinds import COMPACT, KINDS, QUARANTINE, REENCODE, TO_CPU
 from cachedoctor.inventory import LATENT, classify
 from cachedoctor.repair.apply import RunResult
@@ -62,7 +62,7 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
                 line += f"  <- {display_path(action.target.image)} ({action.target.format.container}, " \
                         f"{action.target.format.dtype} {action.target.shape})"
             if action.why:
-                line += f"  ({action.why})"
+                line += f"  ({printable(action.why)})"
             out.write(line + "\n")
         if len(actions) > LISTED and not verbose:
             out.write(f"      (+{len(actions) - LISTED} more; --verbose lists all)\n")
@@ -73,12 +73,12 @@ def render_plan(plan: Plan, out: TextIO, *, verbose: bool = False) -> None:
             out.write(f"  {code}  {_files(len(notes))}: see `cachedoctor explain {code}`\n")
             for note in notes:
                 if note.edit:
-                    out.write(f"      edit {display_path(note.path)}: {note.edit}\n")
+                    out.write(f"      edit {display_path(note.path)}: {printable(note.edit)}\n")
     skipped = [n for n in plan.notes if n.skipped]
     if skipped:
         out.write("Skipped:\n")
         for (code, why), notes in _grouped(skipped, lambda n: (n.code, n.message)):
-            out.write(f"  {code}  {_files(len(notes))}: {why}\n")
+            out.write(f"  {code}  {_files(len(notes))}: {printable(why)}\n")  # may name a path
             for note in _some(notes, verbose):
                 out.write(f"      {display_path(note.path)}\n")
     if plan.left_out:
@@ -109,7 +109,7 @@ def render_result(result: RunResult, out: TextIO, *, verbose: bool = False, plan
     for outcome in result.outcomes:
         if outcome.state != DONE:
             out.write(f"  {outcome.state:<7} {outcome.action.kind:<10} {display_path(outcome.action.path)}: "
-                      f"{outcome.message}\n")
+                      f"{printable(outcome.message)}\n")
     if result.failed:
         out.write("Failed actions were rolled back: those files are as they were.\n")
     freed = measure((o.action.kind, o.action.path, o.action.size) for o in result.outcomes
@@ -166,7 +166,9 @@ def render_runs(listed: Iterable[Listed], out: TextIO) -> None:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.run.started))
         actions = ", ".join(f"{kind} {sum(c.values())}" + _states(c) for kind, c in s.counts.items())
         state = s.run.state + (", purged" if s.purged is not None else "")
-        rows.append((s.run.run_id, started, state, actions or "-", display_path(s.root)))
+        # a journal may come with a cache someone else wrote: its ids and states are text from it
+        rows.append((printable(s.run.run_id), started, printable(state), printable(actions or "-"),
+                     display_path(s.root)))
     if len(rows) == 1:
         out.write("No runs.\n")
         return

@@ -176,17 +176,37 @@ def undo_in(journal: Journal, run_id: str) -> tuple[int, list[str]]:
         else:
             restored += 1
     journal.set_run_state(run_id, UNDO_INCOMPLETE if conflicts else UNDONE)
-    quarantine = os.path.join(state_dir(journal.root), QUARANTINE_DIR)
     if plain_run_id(run_id):  # a hostile journal's `../..` names no folder of ours
-        _prune(os.path.join(quarantine, run_id))
-    with contextlib.suppress(OSError):  # the quarantine dir itself, where no other run uses it
-        os.rmdir(quarantine)
+        _prune(journal.root, run_id)
     return restored, conflicts
 
 
-def _prune(directory: str) -> None:
-    """Remove the run's quarantine dirs that undo left empty (never a file)."""
-    for parent, _dirs, files in os.walk(directory, topdown=False):
-        if not files:
-            with contextlib.suppress(OSError):  # not empty: a conflict's original is still there
-                os.rmdir(parent)
+def _prune(root: str, run_id: str) -> None:
+    """Remove the run's quarantine dirs that undo left empty (never a file), then the quarantine
+    dir where no other run uses it. Through folder descriptors (confined.py), like purge: a
+    `.cachedoctor` or `quarantine` swapped for a symlink leads no rmdir out of the cache."""
+    try:
+        root_fd = confined.open_root(root)
+    except OSError:
+        return
+    try:
+        state = confined.open_dir(root_fd, state_dir("."))
+    except (confined.Moved, OSError):
+        return
+    finally:
+        os.close(root_fd)
+    try:
+        with contextlib.suppress(confined.Moved, OSError):
+            quarantine = confined.open_dir(state, QUARANTINE_DIR)
+            try:
+                for _parent, dirs, _files, fd in os.fwalk(run_id, topdown=False, dir_fd=quarantine):
+                    for name in dirs:  # fwalk lists a symlink to a folder here: rmdir refuses it
+                        with contextlib.suppress(OSError):  # not empty: a conflict's original
+                            os.rmdir(name, dir_fd=fd)
+                with contextlib.suppress(OSError):
+                    os.rmdir(run_id, dir_fd=quarantine)
+            finally:
+                os.close(quarantine)
+            os.rmdir(QUARANTINE_DIR, dir_fd=state)
+    finally:
+        os.close(state)

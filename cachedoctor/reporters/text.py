@@ -81,6 +81,7 @@ def _groups(report: Report, verbose: bool) -> list[list[Finding]]:
 def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console(file=out, force_terminal=True, highlight=False)
     if not report.findings:
@@ -100,12 +101,14 @@ def _table(report: Report, out: TextIO, verbose: bool, cwd: str | None) -> None:
                 what += f"; {human_bytes(wasted)} wasted in {len(group):,} files"
             else:
                 what += f" (and {len(group) - 1:,} more like it)"
+        # Text, not str: a str cell is rich markup, and a file named `[link=URL]` or `a[/]b.pt`
+        # would forge a hyperlink or styles, or fail the whole report with a MarkupError
         table.add_row(
-            printable(first.dataset or "-"),
+            Text(printable(first.dataset or "-")),
             first.code,
-            f"[{STYLE[first.severity]}]{first.severity}[/]",
-            printable(place),
-            printable(what),
+            Text(str(first.severity), style=STYLE[first.severity]),
+            Text(printable(place)),
+            Text(printable(what)),
         )
     console.print(table)
 

@@ -4,13 +4,17 @@ traceback (a seeded random walk over every trainer's JSON and YAML configs)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cachedoctor.fixtures.projects import aitoolkit, onetrainer, simpletuner
+from cachedoctor.fixtures.projects import aitoolkit, musubi, onetrainer, simpletuner
 from cachedoctor.layouts import TargetError
 
 from conftest import scan_paths
@@ -86,3 +90,52 @@ def test_aliases_that_share_settings_still_load(tmp_path: Path) -> None:
     text = text.replace("datasets:\n", "datasets: &sets\n", 1) + "extra: *sets\n"
     project.config.write_text(text)
     assert scan_paths(project.config).trainers == ("ai-toolkit",)
+
+
+def _bounded_cli(*args: str) -> subprocess.CompletedProcess:
+    """The command under a 1 GiB address-space limit: an endless read fails it at once instead
+    of filling the machine's memory."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    return subprocess.run([sys.executable, "-m", "cachedoctor", "scan", "--isolated", "-j", "1",
+                           "--format", "json", *args], capture_output=True, text=True,
+                          timeout=60, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("place", ["config", "bucket indices", "musubi jsonl"])
+@pytest.mark.parametrize("planted", ["fifo", "/dev/zero"])
+def test_a_config_or_metadata_file_that_is_no_regular_file_neither_hangs_nor_fills_memory(
+        place: str, planted: str, tmp_path: Path) -> None:
+    """A project comes with its configs and its cache's bucket files: a FIFO in one's place
+    (no writer: an ordinary open waits for ever) or a symlink to /dev/zero (endless) is a
+    finding or a one-line error, and the scan ends."""
+    if place == "config":
+        target = victim = tmp_path / "config" / "config.json"
+        victim.parent.mkdir()
+    elif place == "bucket indices":
+        project = simpletuner.build(tmp_path / "p")
+        target, (victim,) = project.config, project.root.rglob("aspect_ratio_bucket_indices_*.json")
+        victim.unlink()
+    else:
+        project = musubi.build(tmp_path / "m")
+        target, victim = project.config, project.root / "meta.jsonl"
+        text = project.config.read_text().replace('image_directory = "images"',
+                                                  'image_jsonl_file = "meta.jsonl"', 1)
+        project.config.write_text(text)
+    if planted == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.symlink_to("/dev/zero")
+
+    result = _bounded_cli(str(target))
+
+    assert "Traceback" not in result.stderr and "MemoryError" not in result.stderr, result.stderr
+    if place == "config":
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            f"cachedoctor: error: {victim}: cannot read: not a regular file (a FIFO, a device or "
+            "a folder)"]
+    else:
+        assert result.returncode in (0, 1), result.stderr
+        json.loads(result.stdout)

@@ -4,6 +4,7 @@ journal or quarantine folder made to lead `purge` and `undo` out of the cache.""
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -195,3 +196,72 @@ def test_a_cachedoctor_file_in_place_of_the_folder_is_one_clear_line(tmp_path: P
         "there; move that file away"]
     assert (cache / STATE_DIR).read_text() == "someone's notes"
     assert (cache / "truncated_archive.pt").exists()
+
+
+def test_a_forged_journal_prints_no_control_character(tmp_path: Path) -> None:
+    """A journal's run ids, states and paths are text from whoever wrote the cache: listed,
+    recovered or undone, none may retitle or clear the terminal or forge an output line."""
+    import re
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _fixed(cache)
+    forged = "r\x1b]0;PWN\x07\x1b[2J\nFAKE"
+    conn = sqlite3.connect(cache / STATE_DIR / JOURNAL)
+    with conn:  # an interrupted run, and a done one whose file has changed since
+        for run_id, state, action in ((forged, "running", "started"), (forged + "2", "done", "done")):
+            conn.execute("INSERT INTO runs (run_id, started, state) VALUES (?, 1000, ?)",
+                         (run_id, state))
+            conn.execute("INSERT INTO actions (run_id, seq, action, relpath, path, codes, state, "
+                         "sha_after, updated) VALUES (?, 1, 'compact\x1b[31m', ?, ?, 'CD201', ?, "
+                         "'0', 1000)", (run_id, b"clean_0.pt", b"clean_0.pt", action))
+    conn.close()
+    (cache / STATE_DIR / "quarantine" / (forged + "2")).mkdir(parents=True)
+    (cache / STATE_DIR / "quarantine" / (forged + "2") / "clean_0.pt").write_bytes(b"kept")
+
+    for args in (("fix", "--list-runs", str(cache)), ("undo", forged + "2", "--cache", str(cache))):
+        result = run_cli(*args)
+        out = result.stdout + result.stderr
+        assert "Traceback" not in out and forged + "2" not in out, out
+        assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", out), out
+        assert not any(line.startswith("FAKE") for line in out.splitlines()), out
+    assert "r\\x1b]0;PWN\\x07\\x1b[2J\\x0aFAKE2" in result.stdout  # undo names the run it undid
+
+
+@pytest.mark.parametrize("link", ["quarantine", "run folder"])
+def test_undo_removes_no_folder_through_a_symlinked_quarantine(tmp_path: Path, link: str) -> None:
+    """Undo tidies the run's emptied quarantine folders away: where `quarantine/` (or the run's
+    folder in it) was swapped for a symlink since the run, no folder it leads to is removed."""
+    cache, victim = tmp_path / "cache", _victim(tmp_path)
+    cache.mkdir()
+    run_id = _fixed(cache)
+    quarantine = cache / STATE_DIR / "quarantine"
+    shutil.rmtree(quarantine)
+    (victim / run_id / "empty").mkdir(parents=True)  # empty folders: what undo may rmdir
+    if link == "quarantine":
+        quarantine.symlink_to(victim, target_is_directory=True)
+    else:
+        quarantine.mkdir()
+        (quarantine / run_id).symlink_to(victim / run_id, target_is_directory=True)
+
+    result = run_cli("undo", run_id, "--cache", str(cache))
+
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
+    assert (victim / run_id / "empty").is_dir() and (victim / "keep.txt").read_text() == "precious"
+
+
+def test_a_plan_names_a_symlinked_folder_s_target_as_inert_text(tmp_path: Path) -> None:
+    """A skipped file's reason names where a symlinked folder leads: a name the cache's author
+    chose, shown without its escape sequence or newline."""
+    import re
+
+    cache, elsewhere = tmp_path / "cache", tmp_path / "out\x1b[2J\nFAKE"
+    cache.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "a.pt").write_bytes(b"")
+    (cache / "sub").symlink_to(elsewhere, target_is_directory=True)
+
+    result = run_cli("fix", str(cache), "--dry-run")
+
+    assert "out\\x1b[2J\\x0aFAKE, outside the cache" in result.stdout, result.stdout
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", result.stdout + result.stderr)
