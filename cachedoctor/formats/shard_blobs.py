@@ -196,7 +196,8 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
                       tuple(bad[:100]))
 
 
-_indexes: dict[tuple[str, int, int], ShardIndex] = {}
+# by path and stat (inode and ctime too: a metadata.db replaced within a tick, at its size)
+_indexes: dict[tuple[str, int, int, int, int], ShardIndex] = {}
 
 
 def index_of(directory: str) -> ShardIndex | None:
@@ -206,7 +207,7 @@ def index_of(directory: str) -> ShardIndex | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = (path, st.st_mtime_ns, st.st_size)
+    key = (path, st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
     if key not in _indexes:
         if len(_indexes) >= 8:
             _indexes.clear()

@@ -458,6 +458,11 @@ def _restore(url: str, quarantine: str, size: int, etag: str) -> tuple[str, str 
         held = _head(quarantine)
         if held is None:
             return CONFLICT, "its quarantine copy is gone (purged?)"
+        # checked before the copy: a copy back that fails the check after it would leave
+        # another object at the cache key (a single-part object's copy keeps its MD5 ETag)
+        if held[0] != size or (_plain(etag) and held[1] != etag):
+            return CONFLICT, ("its quarantine copy is not the object the run moved (changed "
+                              "since): left alone")
         s3.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": qbucket, "Key": qkey},
                        CopySourceIfMatch=held[1], IfNoneMatch="*", MetadataDirective="COPY")
         back = _head(url)

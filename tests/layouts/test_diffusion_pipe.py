@@ -431,3 +431,28 @@ def test_our_index_in_the_cache_folder_is_no_model_cache(tmp_path: Path) -> None
         f.write(bytes(size))
     assert {(f.code, f.path) for f in serious(scan_paths(dataset))} == {
         ("CD101", f"{shard}@{offset}")}
+
+
+def test_a_metadata_db_replaced_at_its_size_and_mtime_is_read_again(tmp_path):
+    """shard_blobs keeps the indexes it read by path and stat: a metadata.db replaced (a new
+    file renamed over it) at the same size and mtime is another index, not the one held."""
+    from cachedoctor.formats import shard_blobs
+
+    def write(path, items):
+        con = sqlite3.connect(path)
+        con.execute("CREATE TABLE items (shard INTEGER, shard_index INTEGER)")
+        con.executemany("INSERT INTO items VALUES (?, ?)", [(0, i) for i in range(items)])
+        con.commit()
+        con.close()
+
+    db = tmp_path / "metadata.db"
+    write(db, 3)
+    assert shard_blobs.index_of(str(tmp_path)).items == 3
+    st = db.stat()
+    new = tmp_path / "new.db"
+    write(new, 5)
+    assert new.stat().st_size == st.st_size  # (SQLite pages: one size for both)
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, db)
+    assert (db.stat().st_size, db.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert shard_blobs.index_of(str(tmp_path)).items == 5

@@ -100,3 +100,20 @@ def test_undo_from_the_bucket_mirror_alone(s3: Bucket, tmp_path: Path, monkeypat
     undone = invoke("undo", result.run_id, "--cache", s3.url(PREFIX), "--endpoint-url", s3.endpoint)
     assert undone.exit_code == 0, undone.output
     assert {k: s3.get(k) for k in s3.keys(PREFIX) if "/.cachedoctor/" not in k} == before
+
+
+def test_undo_leaves_a_quarantine_copy_changed_since_the_run(s3: Bucket, tmp_path: Path) -> None:
+    """A quarantine copy that is no longer the object the run moved (rewritten in the bucket
+    since, at the same size) is not copied back: the cache key stays empty, the copy stays."""
+    before = _cache(s3, tmp_path)
+    result = remote.apply(_plan(s3))
+    torn = next(a.url for a, state, _ in result.outcomes if state == DONE and "/torn/" in a.url)
+    key = torn.split("/", 3)[3]
+    copy = f"{PREFIX}/.cachedoctor/quarantine/{result.run_id}/{key[len(PREFIX) + 1:]}"
+    forged = bytes(len(s3.get(copy)))
+    s3.client.put_object(Bucket=s3.name, Key=copy, Body=forged)
+    undone = invoke("undo", result.run_id, "--cache", s3.url(PREFIX))
+    assert undone.exit_code == 1 and "not the object the run moved" in undone.output
+    assert key not in s3.keys(PREFIX) and s3.get(copy) == forged
+    hostile = next(k for k in before if "/hostile/" in k)
+    assert s3.get(hostile) == before[hostile]  # the other object came back
