@@ -142,8 +142,13 @@ def content(entry_role: str, meta: FileMeta) -> Content | None:
     latent = primary_latent(meta) if role == LATENT else None
     signature: tuple[tuple[str, int | None], ...] = ()
     if role == TEXT:
+        # Only a floating tensor's last dim is a feature size. An integer or bool one's is a
+        # token count (ids, per-token tags or indexes, masks), which varies with the caption
+        # (ai-toolkit's HiDream-O1 `text_embeds` are token ids, MiniMax-H3's
+        # `text_token_tags` one per token).
         signature = tuple(sorted(
-            ("/".join(map(str, t.path)) or "<root>", t.shape[-1] if t.shape else None)
+            ("/".join(map(str, t.path)) or "<root>",
+             t.shape[-1] if t.shape and is_floating(t.dtype) else None)
             for t in meta.tensors
         ))
     # Only a latent's own dtype (or an embedding's first floating tensor's) is compared: an

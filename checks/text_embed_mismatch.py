@@ -1,10 +1,12 @@
 """## What it does
 Reports text-embedding files whose keys or feature sizes differ from the rest of their dataset:
 `prompt_embeds` of 4096 features among files of 2048 (a T5 cache among CLIP ones), or files
-with `pooled_prompt_embeds` among files without. Sequence lengths (masks, token ids) may vary
-and are not compared. Only embeddings of one dataset are compared (a trainer config's text
-cache; in a bare tree, each folder of cache files), of one model family where the names tell
-it (SimpleTuner's `-<family>.pt`, kohya's `_<arch>_te.npz` beside `_te_outputs.npz`, musubi's
+with `pooled_prompt_embeds` among files without. Sequence lengths may vary and are not
+compared: only a tensor's last dimension is, and not that of a mask, of token ids, or of any
+integer or bool tensor (ids, per-token tags or indexes: one value per token of the caption).
+Only embeddings of one dataset are compared (a trainer config's text cache; in a bare tree, each
+folder of cache files), of one model family where the names tell it (SimpleTuner's
+`-<family>.pt`, kohya's `_<arch>_te.npz` beside `_te_outputs.npz`, musubi's
 `_<arch>_te.safetensors`; diffusion-pipe's `text_embeddings_<i>/`, one sharded cache per text
 encoder), and a file is reported only when the other signature holds a clear majority (at least
 2/3 of the embeddings). Below that the split is one warning naming both sides, and `fix` leaves

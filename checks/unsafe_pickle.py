@@ -12,6 +12,14 @@ on a multi-user box, can carry one. Files that merely hold numpy arrays or custo
 reported too: `weights_only=True` refuses them (`Unsupported global`), which breaks trainers
 that load safely.
 
+One class is by design where it is found: OneTrainer before 2024-07-14 (Nerogar/OneTrainer
+474dd2c6, mgds 5ea389a) cached the VAE's output as it came, a diffusers
+`DiagonalGaussianDistribution` (`latent_image_distribution`: `parameters`, `mean`, `logvar`,
+`std`, `var`), in mgds DiskCache samples (`variation-<n>/<i>.pt`) that mgds loads with
+`weights_only=False`. Pickled as a plain object (its class and its `__dict__`), it runs nothing
+but the import of diffusers, which the trainer has loaded already. In such a sample it is no
+finding; anywhere else, or beside any other global, it is reported as any other class is.
+
 ## Example
 ```
 CD105 error cache/vae/photos/evil.pt  pickle imports globals outside the tensor allow-list: posix.system
@@ -25,6 +33,8 @@ a clean entry is encoded from the source image. Never open such a file with
 
 from __future__ import annotations
 
+import re
+
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
 from cachedoctor.formats.meta import FileMeta
@@ -34,8 +44,20 @@ DANGEROUS_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__
                      "shutil", "socket", "runpy", "importlib", "pty", "code", "ctypes")
 
 
+# diffusers' VAE posterior, under its module before and after diffusers 0.25 moved it
+VAE_DISTRIBUTION = frozenset({"diffusers.models.vae.DiagonalGaussianDistribution",
+                              "diffusers.models.autoencoders.vae.DiagonalGaussianDistribution"})
+# a sample of mgds' DiskCache: <cache>/<group sha256>/variation-<n>/<i>.pt
+MGDS_SAMPLE = re.compile(r"[/\\]variation-\d+[/\\]\d+\.pt$")
+
+
+def by_design(meta: FileMeta) -> bool:
+    """An old OneTrainer sample holding the VAE's distribution, and nothing else unsafe."""
+    return set(meta.unsafe_globals) <= VAE_DISTRIBUTION and bool(MGDS_SAMPLE.search(meta.path))
+
+
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
-    if not meta.unsafe_globals:
+    if not meta.unsafe_globals or by_design(meta):
         return None
     names = ", ".join(meta.unsafe_globals[:8])
     if len(meta.unsafe_globals) > 8:

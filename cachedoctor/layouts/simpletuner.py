@@ -32,6 +32,15 @@ where `<sub>` is the image's folder with the configured `instance_data_dir` stri
 fragment of the absolute path, as SimpleTuner does). Only the stem is hashed, so `a.png` and
 `a.jpg` share one entry. Unhashed `<stem>.pt` files (before 2024-08, or `hash_filenames: false`
 until 2025-12) are no longer read by SimpleTuner: they are orphans.
+
+`dataset_type: "audio"` datasets (ACE-Step, MiniMax Music, ...) are not checked: no dataset is
+made of them, so their caches are not walked through this config. Their latents are bucketed
+by duration (`bucket_duration_seconds` in the bucket metadata), not by a `target_size` a VAE
+factor turns into a latent size; their shape is the audio VAE's, one per model family; and
+their default cache dir is `<output_dir>/cache/audio/vae/<model_family>/<id>`, not the image
+one (data_backend/factory.py `_default_vae_cache_dir`, caching/vae.py). Comparing them as
+image latents would raise alarms on healthy caches. Their cache dir given as a target is a
+bare cache, checked as any other.
 """
 
 from __future__ import annotations

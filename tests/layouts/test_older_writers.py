@@ -7,15 +7,24 @@
 - ai-toolkit video latents before ff14cd63 (2025-10-21): no `num_frames` in the latent info
   (so neither in the header nor the hash), and before 7f3309b2 (2026-03-24) no 0-d
   `num_frames` tensor; video datasets held only clips until 8c1a4082 (2026-08-08).
+- OneTrainer before 474dd2c6 (2024-07-14; mgds 0ab2f97, before 5ea389a cloned what it caches):
+  an image sample's `latent_image_distribution` is the VAE's output as it came, a diffusers
+  `DiagonalGaussianDistribution` of `[1, 2C, h, w]` parameters (`mean` a view of them), saved
+  from the train device (modules/dataLoader/StableDiffusionXLBaseDataLoader.py `_cache_modules`,
+  mgds pipelineModules/EncodeVAE.py and DiskCache.py); text samples hold squeezed views
+  (pipelineModules/Tokenize.py, EncodeClipText.py).
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from cachedoctor.fixtures.projects import aitoolkit
+from cachedoctor.fixtures.devices import stored_as
+from cachedoctor.fixtures.projects import aitoolkit, onetrainer
 from cachedoctor.layouts.musubi import select_bucket
 
 from conftest import by_code, scan_paths
@@ -124,3 +133,84 @@ def test_aitoolkit_older_video_latent_missing_is_still_cd404(tmp_path: Path) -> 
     config, folder, clips = _aitoolkit_old_clips(tmp_path / "wan", False)
     clips["clip_0.mp4"].unlink()
     assert [f.path for f in by_code(scan_paths(config), "CD404")] == [str(folder / "clip_0.mp4")]
+
+
+# diffusers' module of DiagonalGaussianDistribution at OneTrainer's pin then (dd4b731, 0.29 dev)
+VAE_MODULE = "diffusers.models.autoencoders.vae"
+
+
+class DiagonalGaussianDistribution:
+    """What diffusers' AutoencoderKL.encode(...).latent_dist holds: the parameters, the mean as
+    a view of them, and the clamped log variance with its std and variance."""
+
+    def __init__(self, parameters: torch.Tensor) -> None:
+        self.parameters = parameters
+        self.mean, self.logvar = torch.chunk(parameters, 2, dim=1)
+        self.logvar = torch.clamp(self.logvar, -30.0, 20.0)
+        self.deterministic = False
+        self.std = torch.exp(0.5 * self.logvar)
+        self.var = torch.exp(self.logvar)
+
+
+DiagonalGaussianDistribution.__module__ = VAE_MODULE
+
+
+@pytest.fixture
+def diffusers_vae(monkeypatch: pytest.MonkeyPatch) -> type:
+    """The class importable under diffusers' name while torch.save pickles it (as the global
+    `diffusers.models.autoencoders.vae.DiagonalGaussianDistribution`), removed afterwards."""
+    for name in ("diffusers", "diffusers.models", "diffusers.models.autoencoders", VAE_MODULE):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules[VAE_MODULE], "DiagonalGaussianDistribution",
+                        DiagonalGaussianDistribution, raising=False)
+    return DiagonalGaussianDistribution
+
+
+def _onetrainer_before_474dd2c6(root: Path) -> tuple[Path, list[Path]]:
+    """onetrainer.build's project, its samples as OneTrainer cached them before 2024-07-14."""
+    project = onetrainer.build(root)
+    cache = project.root / "workspace-cache" / "run"
+    samples = sorted((cache / "image").glob("*/variation-0/[0-9]*.pt"))
+    for path in samples:
+        sample = torch.load(path, map_location="cpu", weights_only=True)
+        latent = sample.pop("latent_image")
+        moments = torch.cat([latent, torch.randn_like(latent) - 8]).unsqueeze(0)  # vae.encode(image.unsqueeze(0))
+        with stored_as("cuda:0"):
+            torch.save({"latent_image_distribution": DiagonalGaussianDistribution(moments),
+                        "original_resolution": sample["original_resolution"],
+                        "crop_offset": sample["crop_offset"]}, path)
+    for path in sorted((cache / "text").glob("*/variation-0/[0-9]*.pt")):
+        sample = torch.load(path, map_location="cpu", weights_only=True)
+        # Tokenize and EncodeClipText squeeze the batch of one away: views, not clones
+        with stored_as("cuda:0"):
+            torch.save({k: v.unsqueeze(0).squeeze() for k, v in sample.items()}, path)
+    return project.config, samples
+
+
+def test_onetrainer_vae_distribution_samples_are_healthy(tmp_path: Path, diffusers_vae) -> None:
+    config, samples = _onetrainer_before_474dd2c6(tmp_path / "ot")
+    assert len(samples) == 9
+    assert alarms(scan_paths(config)) == []
+    assert alarms(scan_paths(tmp_path / "ot" / "workspace-cache")) == []
+    assert alarms(scan_paths(tmp_path / "ot")) == []
+
+
+def test_onetrainer_vae_distribution_is_still_cd105_beside_another_global(
+        tmp_path: Path, diffusers_vae) -> None:
+    """The class is by design in a mgds sample alone: beside another global, or in a file of
+    another trainer, it is CD105 as any other class."""
+    import argparse
+
+    config, samples = _onetrainer_before_474dd2c6(tmp_path / "ot")
+    sample = torch.load(samples[0], map_location="cpu", weights_only=False)
+    sample["args"] = argparse.Namespace(resolution=128)  # a class torch refuses too
+    with stored_as("cuda:0"):
+        torch.save(sample, samples[0])
+    (found,) = by_code(scan_paths(config), "CD105")
+    assert found.path == str(samples[0])
+    assert set(found.details["globals"]) == {"argparse.Namespace",
+                                             f"{VAE_MODULE}.DiagonalGaussianDistribution"}
+    elsewhere = tmp_path / "bare" / "latents" / "img.pt"
+    elsewhere.parent.mkdir(parents=True)
+    torch.save({"latent": DiagonalGaussianDistribution(torch.randn(1, 8, 16, 16))}, elsewhere)
+    assert [f.path for f in by_code(scan_paths(tmp_path / "bare"), "CD105")] == [str(elsewhere)]
