@@ -167,7 +167,11 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
                                               state.templates)
     scope = state.scope(batch) if options.index else ""
     folder = os.fsencode(batch.directory) if scope else b""
-    checks = [(r.code, r.check_file) for r in state.rules if r.check_file is not None]
+    # a twin takes the verdict of the `shared` checks; the checks that read a file's name
+    # (Rule.names) judge every file themselves
+    shared = [(r.code, r.check_file) for r in state.rules if r.check_file and not r.names]
+    own = [(r.code, r.check_file) for r in state.rules if r.check_file and r.names]
+    checks = shared + own
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
     naming = (dataset.naming if dataset else FOLDERS).directory(batch.directory, batch.bucket,
@@ -209,7 +213,7 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             seen = (id(same), meta.compression, entry.role, entry.area, entry.dataset, entry.bucket)
             verdict = verdicts.get(seen)
             if verdict is None or verdict.same is not same:
-                verdict = _Verdict(same, _run(checks, meta, entry, deep, settings, dataset),
+                verdict = _Verdict(same, _run(shared, meta, entry, deep, settings, dataset),
                                    _content(entry.role, meta))
                 if len(verdicts) >= MAX_VERDICTS:
                     verdicts.clear()
@@ -217,6 +221,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             for found in verdict.findings:
                 findings.append(found if found.path == meta.path
                                 else dataclasses.replace(found, path=meta.path))
+            if own:
+                findings.extend(_run(own, meta, entry, deep, settings, dataset))
         else:
             findings.extend(_run(checks, meta, entry, deep, settings, dataset))
         try:

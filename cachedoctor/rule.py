@@ -6,7 +6,9 @@ A rule checks one file, a whole dataset, the trainer configs, or several of thes
 - `check_file(meta, ctx)` runs in the worker processes and returns its one finding or None.
   It runs for every file, so it must be cheap. For a latent or text file it judges the
   file's facts and entry, never its path or mtime, which it only names: the engine gives
-  files with a twin's facts the twin's verdict (engine.ScanState).
+  files with a twin's facts the twin's verdict (engine.ScanState). A rule that must read the
+  file's name (musubi names declare sizes and frame counts) says so (`names=True`): the
+  engine then runs it for every file, twin or not.
 - `check_dataset(view, ctx)` runs once after the files are read, over compact per-file
   summaries and coverage rows, and yields findings.
 - `check_layouts(layouts, ctx)` runs once per scan in the main process, over every Layout,
@@ -74,6 +76,7 @@ class Rule:
     fix: FixKind | None = None  # the repair action; None = manual
     deep: bool = False  # only runs under --deep (reads whole tensors)
     check_file: Callable[[FileMeta, RuleContext], Finding | None] | None = None
+    names: bool = False  # check_file reads the file's name: never judged from a twin's verdict
     check_dataset: Callable[[DatasetView, RuleContext], Iterable[Finding]] | None = None
     check_layouts: Callable[[Sequence[Layout], RuleContext], Iterable[Finding]] | None = None
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # defaults

@@ -70,4 +70,5 @@ RULE = Rule(
     doc=__doc__,
     fix="quarantine",
     check_file=check,
+    names=True,  # (the file's name is read: see rule.py)
 )

@@ -76,4 +76,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_file=check,
+    names=True,  # (the file's name is read: see rule.py)
 )

@@ -350,3 +350,25 @@ def test_a_fifo_in_a_captions_place_does_not_hang_the_scan(tmp_path: Path) -> No
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr  # CD410 warns
     found = {f["path"] for f in json.loads(result.stdout)["findings"] if f["code"] == "CD410"}
     assert {path for path, _ in project.expected["CD410"]} == found != set()
+
+
+@pytest.mark.parametrize("first", ["good", "bad"])
+def test_twins_are_judged_by_their_own_names(tmp_path: Path, first: str) -> None:
+    """Clips whose files are byte for byte alike are twins (one header parse, and the second's
+    verdict serves the third), but CD308 reads each file's name: the clip named 13 frames whose
+    header says 9 is CD308, the ones named 9 are not, whichever twin the scan reads first."""
+    import torch
+
+    project = musubi.build(tmp_path / "m")
+    cache = project.root / "cache" / "hv"
+    names = {"good": "clip_b", "bad": "clip_c"} if first == "good" else \
+        {"good": "clip_c", "bad": "clip_b"}
+    original = cache / musubi.latent_name("clip_a", 160, 96, "hv", "_00000-009")
+    good = cache / musubi.latent_name(names["good"], 160, 96, "hv", "_00000-009")
+    bad = cache / musubi.latent_name(names["bad"], 160, 96, "hv", "_00000-013")
+    latent = torch.zeros(16, 3, 12, 20, dtype=torch.bfloat16)
+    musubi.save_latents(original, {"latents_3x12x20_bfloat16": latent}, "hunyuan_video", 160, 96,
+                        frame_count=9)
+    for twin in (good, bad):  # (musubi's writer keeps its header's order: the same bytes)
+        shutil.copyfile(original, twin)
+    assert [f.path for f in by_code(scan_paths(project.config), "CD308")] == [str(bad)]
