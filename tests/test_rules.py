@@ -154,3 +154,29 @@ def test_unreadable_file_is_cd001(fs) -> None:
     (finding,) = scan_paths("/cache").findings
     assert (finding.code, finding.path, finding.message) == ("CD001", "/cache/locked.pt",
                                                              "cannot read: permission denied")
+
+
+def test_a_file_rule_that_reads_a_name_says_so() -> None:
+    """The engine hands a twin the verdict of the file whose facts it shares, except for the
+    rules that declare `names=True`: a file rule reading `meta.path` (or its entry's path or
+    mtime) other than to name its finding must declare it. (CD104 judges temp and lock files,
+    never a latent or text file, whose verdicts alone are shared.)"""
+    import ast
+    import importlib
+
+    from cachedoctor.checks import RULES
+
+    unshared = {"CD104"}  # interrupted_write: temp and lock files, never twins
+    for code, rule in RULES.items():
+        if rule.check_file is None or rule.names or code in unshared:
+            continue
+        module = importlib.import_module(rule.check_file.__module__)
+        tree = ast.parse(Path(module.__file__).read_text())
+        named = {id(call.args[0]) for call in ast.walk(tree) if isinstance(call, ast.Call)
+                 and isinstance(call.func, ast.Attribute) and call.func.attr == "finding"
+                 and call.args}
+        reads = [node.lineno for node in ast.walk(tree)
+                 if isinstance(node, ast.Attribute) and node.attr in ("path", "mtime")
+                 and isinstance(node.value, ast.Name) and node.value.id in ("meta", "entry")
+                 and id(node) not in named]
+        assert not reads, f"{code} reads a name at lines {reads} without names=True"
