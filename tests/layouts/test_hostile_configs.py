@@ -139,3 +139,37 @@ def test_a_config_or_metadata_file_that_is_no_regular_file_neither_hangs_nor_fil
     else:
         assert result.returncode in (0, 1), result.stderr
         json.loads(result.stdout)
+
+
+def test_a_fifo_in_a_jsonl_files_place_is_said_to_be_one(tmp_path: Path) -> None:
+    """A musubi image_jsonl_file that is a FIFO is there: CD408 says what it is, not that it
+    does not exist (which sends the user looking for a typo)."""
+    project = musubi.build(tmp_path / "m")
+    project.config.write_text(project.config.read_text().replace(
+        'image_directory = "images"', 'image_jsonl_file = "meta.jsonl"', 1))
+    os.mkfifo(project.root / "meta.jsonl")
+
+    result = _bounded_cli(str(project.config))
+
+    [finding] = [f for f in json.loads(result.stdout)["findings"] if f["code"] == "CD408"]
+    assert finding["message"].endswith('"meta.jsonl" (' + str(project.root / "meta.jsonl") +
+                                       ") is a FIFO, neither a file nor a folder"), finding
+
+
+def test_a_configured_path_of_the_other_kind_is_said_to_be_what_it_is(tmp_path: Path) -> None:
+    """kohya's image_dir names a file, musubi's image_jsonl_file a folder: CD408 says so."""
+    from cachedoctor.fixtures.projects import kohya
+
+    k = kohya.build(tmp_path / "k")
+    dataset = k.root / "dataset.toml"
+    dataset.write_text(dataset.read_text().replace('"train/10_person"', '"train/planted"'))
+    (k.root / "train" / "planted").write_text("")
+    m = musubi.build(tmp_path / "m")
+    m.config.write_text(m.config.read_text().replace(
+        'image_directory = "images"', 'image_jsonl_file = "planted"', 1))
+    (m.root / "planted").mkdir()
+
+    [in_kohya] = [f.message for f in scan_paths(k.config).findings if f.code == "CD408"]
+    [in_musubi] = [f.message for f in scan_paths(m.config).findings if f.code == "CD408"]
+    assert in_kohya.endswith("/train/planted) is a file, not a folder"), in_kohya
+    assert in_musubi.endswith("/planted) is a folder, not a file"), in_musubi
