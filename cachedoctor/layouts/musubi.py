@@ -295,7 +295,7 @@ def _captions(media: str | None, extension: object, jsonl: str | None,
                 for line in f:
                     try:
                         item = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):  # a line nested past json's reach
                         continue
                     path = item.get("video_path" if video else "image_path") if isinstance(
                         item, dict) else None

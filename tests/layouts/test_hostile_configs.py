@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cachedoctor.fixtures.projects import aitoolkit, musubi, onetrainer, simpletuner
-from cachedoctor.layouts import TargetError
+from cachedoctor.layouts import TargetError, resolve
 
 from conftest import scan_paths
 
@@ -173,3 +173,18 @@ def test_a_configured_path_of_the_other_kind_is_said_to_be_what_it_is(tmp_path: 
     [in_musubi] = [f.message for f in scan_paths(m.config).findings if f.code == "CD408"]
     assert in_kohya.endswith("/train/planted) is a file, not a folder"), in_kohya
     assert in_musubi.endswith("/planted) is a folder, not a file"), in_musubi
+
+
+def test_a_jsonl_line_nested_past_json_is_skipped_as_a_bad_line(tmp_path: Path) -> None:
+    """musubi's jsonl comes with the project: a line of 100,000 nested brackets is skipped as a
+    line that is no JSON is (its RecursionError stopped the scan), the other lines still read."""
+    project = musubi.build(tmp_path / "m")
+    project.config.write_text(project.config.read_text().replace(
+        'image_directory = "images"', 'image_jsonl_file = "meta.jsonl"', 1))
+    (project.root / "meta.jsonl").write_text(
+        "[" * 100_000 + "]" * 100_000 + "\n"
+        + json.dumps({"image_path": "/data/img_000.png", "caption": "a photo"}) + "\n")
+
+    [layout] = resolve([str(project.config)])
+
+    assert layout.datasets[0].options["captions"] == {"img_000": "a photo"}
