@@ -188,3 +188,25 @@ def test_a_jsonl_line_nested_past_json_is_skipped_as_a_bad_line(tmp_path: Path) 
     [layout] = resolve([str(project.config)])
 
     assert layout.datasets[0].options["captions"] == {"img_000": "a photo"}
+
+
+@pytest.mark.parametrize(("trainer", "key"), [("kohya", "image_dir"), ("musubi", "image_directory"),
+                                              ("musubi", "video_directory"),
+                                              ("musubi", "cache_directory")])
+def test_a_path_holding_a_nul_byte_is_a_finding(trainer: str, key: str, tmp_path: Path) -> None:
+    """TOML can spell a NUL (\\u0000); os.path.realpath and os.listdir raise ValueError on one,
+    which stopped the scan. It is CD409 at its key, and the scan goes on."""
+    from cachedoctor.fixtures.projects import kohya
+
+    project = (kohya if trainer == "kohya" else musubi).build(tmp_path / "p")
+    config = project.root / "dataset.toml"
+    text = config.read_text()
+    start = text.index(f"{key} = ")
+    end = text.index("\n", start)
+    config.write_text(text[:start] + f'{key} = "a/\\u0000/b"' + text[end:])
+
+    report = scan_paths(project.config)
+
+    [finding] = [f for f in report.findings if f.code == "CD409"]
+    assert finding.details["key"].endswith(key) and finding.details["line"] == \
+        text[:start].count("\n") + 1, finding
