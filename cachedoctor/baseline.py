@@ -109,6 +109,8 @@ class Baseline:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BaselineError(f"{path}: not a cachedoctor baseline ({type(exc).__name__}: "
                                 f"{exc})") from None
+        except RecursionError:  # json's decoder recurses once per [ or {
+            raise BaselineError(f"{path}: not a cachedoctor baseline (nested too deeply)") from None
         return cls(os.path.dirname(os.path.abspath(path)), counts)
 
     def split(self, findings: Iterable[Finding]) -> tuple[list[Finding], int]:

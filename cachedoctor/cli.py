@@ -138,11 +138,11 @@ def scan(
             count = baselines.write(report, str(write_baseline))
         except OSError as exc:
             raise fail(f"cannot write baseline {write_baseline}: {exc.strerror or exc}") from None
-        typer.echo(f"cachedoctor: recorded {count:,} findings in {write_baseline}", err=True)
+        say(f"cachedoctor: recorded {count:,} findings in {write_baseline}", err=True)
     elif policy.baseline:
         if result.known or result.fixed:
-            typer.echo(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
-                       f"not shown, {result.fixed:,} of its entries no longer found", err=True)
+            say(f"cachedoctor: baseline {policy.baseline}: {result.known:,} known findings "
+                f"not shown, {result.fixed:,} of its entries no longer found", err=True)
         if baseline is None:  # named by a config file, which may have come with the cache
             _hidden_guards(report, result.report, policy.baseline)
         report = result.report
@@ -154,14 +154,14 @@ def _index_lines(used) -> None:
     """On stderr: the index's notices, and what it saved once it saved something (or what
     --changed-since judged)."""
     for notice in used.get("notices", ()):
-        typer.echo(f"cachedoctor: {notice}", err=True)
+        say(f"cachedoctor: {notice}", err=True)
     if used.get("reused") or "judged" in used:
         line = f"cachedoctor: index: {used['read']:,} files read, {used['reused']:,} reused"
         if "judged" in used:
             line += f"; file rules judged the {used['judged']:,} changed since --changed-since"
         if "scan" in used:
             line += f" (scan {used['scan']})"
-        typer.echo(line, err=True)
+        say(line, err=True)
 
 
 def _hidden_guards(before, after, path: str) -> None:
@@ -174,17 +174,17 @@ def _hidden_guards(before, after, path: str) -> None:
     hidden = Counter(f.code for f in before.findings) - Counter(f.code for f in after.findings)
     for code, (name, consequence) in GUARDS.items():
         if hidden[code]:
-            typer.echo(f"cachedoctor: warning: {code} ({name}): {hidden[code]:,} finding(s) hidden "
-                       f"by the baseline {path}, named in a config file: {consequence}", err=True)
+            say(f"cachedoctor: warning: {code} ({name}): {hidden[code]:,} finding(s) hidden "
+                f"by the baseline {path}, named in a config file: {consequence}", err=True)
 
 
 def _policy_lines(applied, detail: bool) -> None:
     """On stderr: a warning per guard rule (CD105, CD002) a config switched off; with `detail`,
     which configs applied and what is switched off (JSON and SARIF carry that in the report)."""
     if detail and applied.configs:
-        typer.echo(f"cachedoctor: {applied.summary()}", err=True)
+        say(f"cachedoctor: {applied.summary()}", err=True)
     for warning in applied.warnings:
-        typer.echo(f"cachedoctor: warning: {warning}", err=True)
+        say(f"cachedoctor: warning: {warning}", err=True)
 
 
 def _config_args(values: list[str]) -> tuple[str | None, list]:
@@ -387,7 +387,7 @@ def fix(
         render_runs(listing(roots if roots is not None else known_roots(only_readable=False),
                             unreadable), sys.stdout)
         for problem in unreadable:
-            typer.echo(f"cachedoctor: error: {problem}", err=True)
+            say(f"cachedoctor: error: {problem}", err=True)
         if unreadable:
             raise typer.Exit(EXIT_USAGE)
         return
@@ -462,7 +462,7 @@ def _fix_remote(targets: list[str], layouts: list[Layout], roots: tuple[str, ...
         return EXIT_INTERRUPTED
     try:
         result = apply(plan, command=shlex.join(sys.argv),
-                       warn=lambda line: typer.echo(f"cachedoctor: warning: {line}", err=True))
+                       warn=lambda line: say(f"cachedoctor: warning: {line}", err=True))
     except JournalError as exc:
         raise fail(str(exc)) from None
     render_run(result, sys.stdout)
@@ -476,7 +476,7 @@ def _undo_remote(run_id: str | None, cache: list[str]) -> int:
     if len(cache) != 1:
         raise fail("undo takes one s3:// --cache at a time")
     try:
-        result = undo(run_id, cache[0], warn=lambda line: typer.echo(f"cachedoctor: warning: {line}", err=True))
+        result = undo(run_id, cache[0], warn=lambda line: say(f"cachedoctor: warning: {line}", err=True))
     except (RemoteFixError, JournalError) as exc:
         raise fail(str(exc)) from None
     render_run(result, sys.stdout, undoing=True)
@@ -563,7 +563,7 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
     except (LockBusy, JournalError) as exc:
         raise fail(str(exc)) from None
     except RunStopped as exc:
-        typer.echo(f"cachedoctor: run stopped: {exc}", err=True)
+        say(f"cachedoctor: run stopped: {exc}", err=True)
         return EXIT_FINDINGS
     except BrokenPipeError:  # `fix --dry-run | head`: click ends it quietly (exit 1)
         raise
@@ -607,8 +607,8 @@ def _interrupted(run_id: str | None, guard: Guard, roots: tuple[str, ...], targe
     try:
         guard.recover()  # also settles a run journaled but stopped before its first change
     except Exception as exc:  # the next fix or undo recovers it: say so, never a traceback
-        typer.echo(f"cachedoctor: could not roll back the action under way ({exc}): the next "
-                   f"`cachedoctor fix` or `cachedoctor undo {run_id}` does", err=True)
+        say(f"cachedoctor: could not roll back the action under way ({exc}): the next "
+            f"`cachedoctor fix` or `cachedoctor undo {run_id}` does", err=True)
     finally:
         for s, handler in held.items():
             signal.signal(s, handler)
@@ -675,7 +675,7 @@ def undo(
     except NothingToUndo as exc:
         if run_id is not None:
             raise fail(str(exc)) from None
-        typer.echo(f"{str(exc)[0].upper()}{str(exc)[1:]}.")
+        say(f"{str(exc)[0].upper()}{str(exc)[1:]}.")
         return
     except (LockBusy, JournalError) as exc:
         raise fail(str(exc)) from None
@@ -836,7 +836,7 @@ def main() -> None:
     except Exception as exc:  # never a traceback for the user; CACHEDOCTOR_DEBUG=1 shows it
         if os.environ.get("CACHEDOCTOR_DEBUG"):
             raise
-        typer.echo(f"cachedoctor: internal error: {type(exc).__name__}: {exc} "
-                   "(set CACHEDOCTOR_DEBUG=1 for the traceback)", err=True)
+        say(f"cachedoctor: internal error: {type(exc).__name__}: {exc} "
+            "(set CACHEDOCTOR_DEBUG=1 for the traceback)", err=True)
         sys.exit(EXIT_USAGE)
     sys.exit(code)

@@ -60,10 +60,10 @@ def run(app: typer.Typer) -> int:
             return exc.exit_code
         ctx = getattr(exc, "ctx", None)
         hint = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
-        typer.echo(f"cachedoctor: error: {exc.format_message().rstrip('.')}{hint}", err=True)
+        say(f"cachedoctor: error: {exc.format_message().rstrip('.')}{hint}", err=True)
         return EXIT_USAGE
     except click_exception as exc:
-        typer.echo(f"cachedoctor: error: {exc.format_message()}", err=True)
+        say(f"cachedoctor: error: {exc.format_message()}", err=True)
         return exc.exit_code
     except typer.Abort:
         typer.echo("cachedoctor: aborted", err=True)

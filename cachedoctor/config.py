@@ -119,6 +119,11 @@ def _read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    # the file may have come with a cache: what tomllib cannot take is a ConfigError too
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than int() takes
+        raise ConfigError(f"{path}: invalid TOML: {str(exc).split(';')[0]}") from None
 
 
 def load(path: str | os.PathLike) -> Config:

@@ -571,14 +571,13 @@ def since_ns(text: str, db: sqlite3.Connection | None, roots: Iterable[str]) -> 
     text = text.strip()
     try:
         return int(float(text) * 1e9)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf, 1e400, 10**400 seconds
         pass
     try:
         moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
-    except ValueError:
-        pass
-    else:
         return int(moment.astimezone().timestamp() * 1e9)
+    except (ValueError, OverflowError):  # also a time before year 1 once in local time
+        pass
     if db is not None:
         try:
             found = db.execute("SELECT started_ns FROM scans WHERE id = ?", (text,)).fetchone()

@@ -3,7 +3,9 @@ Reports a path a trainer config names that does not exist: an image dir (SimpleT
 `instance_data_dir`, a OneTrainer concept's `path`, kohya's `image_dir`, ai-toolkit's
 `folder_path`) or a config it includes (`data_backend_config`, `concept_file_name`,
 `dataset_config`). Relative paths are resolved the way the trainer resolves them; the message
-says against which directory. Cache dirs are not reported: trainers create them.
+says against which directory. Something else in the path's place (a file where a folder
+should be, a folder where a file should be, a FIFO or a device) is reported too, saying what
+is there. Cache dirs are not reported: trainers create them.
 
 ## Why is this bad?
 The trainer stops at start-up, or worse, trains on nothing from that dataset: SimpleTuner skips

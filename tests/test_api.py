@@ -88,6 +88,8 @@ def test_bad_options_raise_clear_errors(broken: Path) -> None:
         cachedoctor.scan(broken, selct=["CD1"])
     with pytest.raises(cachedoctor.TargetError):
         cachedoctor.scan(broken / "missing", isolated=True)
+    with pytest.raises(cachedoctor.TargetError, match="holds a NUL byte"):  # os.lstat: ValueError
+        cachedoctor.scan(f"{broken}/a\0b", isolated=True)
 
 
 def test_baseline_and_settings_through_the_api(broken: Path, tmp_path: Path) -> None:

@@ -95,6 +95,7 @@ def test_baseline_from_the_config_file_is_relative_to_it(project: Path, monkeypa
     ("[]", "not a cachedoctor baseline"),
     ('{"version": 9, "findings": []}', "baseline version 9"),
     ('{"version": 1, "findings": [{"code": "CD101"}]}', "not a cachedoctor baseline"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # json recursed past Python's limit
 ])
 def test_bad_baseline_is_a_usage_error(content, message, project: Path) -> None:
     if content is not None:

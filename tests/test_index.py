@@ -325,6 +325,14 @@ def test_changed_since_a_repair_run(demo: Path) -> None:
         scan(demo, changed_since="nothing-like-it")
 
 
+@pytest.mark.parametrize("value", ["inf", "1e400", "9" * 400, "0001-01-01T00:00:00+14:00"])
+def test_a_time_out_of_range_is_a_config_error(value: str, demo: Path) -> None:
+    """Seconds past a float, or an ISO time before year 1 in UTC: OverflowError and
+    ValueError escaped since_ns (an internal error from the CLI)."""
+    with pytest.raises(ConfigError, match="changed-since"):
+        scan(demo, changed_since=value)
+
+
 def test_the_fixture_corpus_scans_the_same_with_the_index(tmp_path: Path) -> None:
     from cachedoctor.fixtures import corpus
 

@@ -192,6 +192,9 @@ def test_exclude_globs_are_relative_to_the_file(tmp_path: Path, monkeypatch) -> 
         ("rules.CD201.ratio = 2.0", "tool.cachedoctor.rules.CD201.ratio: CD201 has no such setting"),
         ("rules.CD104.stale-lock-seconds = -1", "tool.cachedoctor.rules.CD104.stale-lock-seconds: must not be"),
         ("fail-on = ", "invalid TOML"),
+        # what tomllib raises besides TOMLDecodeError (the file may have come with a cache)
+        ("x = " + "[" * 100_000 + "]" * 100_000, "invalid TOML: nested too deeply"),
+        ("x = " + "9" * 5000, "invalid TOML: Exceeds the limit (4300 digits)"),
     ],
 )
 def test_bad_config_is_one_line_naming_file_and_key(body: str, key: str, tmp_path: Path, monkeypatch) -> None:

@@ -63,6 +63,8 @@ def resolve(targets: Iterable[str]) -> list[Layout]:
             except OSError as exc:  # gone, or behind a folder we may not enter
                 why = exc.strerror.lower() if exc.strerror else "cannot read it"
                 raise TargetError(f"{target}: {why}") from None
+            except ValueError:  # os.lstat's answer to a NUL byte: no path holds one
+                raise TargetError(f"{target}: no such file or directory (it holds a NUL byte)") from None
             if os.path.isdir(target):
                 found = project(target)
                 layouts.extend(found or [bare.layout(target)])

@@ -490,7 +490,7 @@ def _template(meta: FileMeta) -> _Template | None:
             continue
         try:
             info[key] = value if key in STRINGS else json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # the cache's text: any string, nested past json's reach
             info[key] = value
     geometry = [info.get(k) for k in ("scale_to_width", "scale_to_height", "crop_x", "crop_y",
                                       "crop_width", "crop_height")]

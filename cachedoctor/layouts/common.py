@@ -5,6 +5,7 @@ listings."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -29,13 +30,31 @@ class Problems:
 
     def missing(self, origin: Origin, what: str, value: str, path: str, base_reason: str,
                 dataset: str | None = None) -> None:
-        """A configured path that does not exist."""
+        """A configured path that does not exist, or is not the kind of thing the caller
+        looked for (a folder, or a file to read) there."""
         shown = f'"{value}"' + (f" ({path})" if os.path.normpath(value) != path else "")
-        message = f"{what} {shown} does not exist"
-        if not os.path.isabs(os.path.expanduser(value)):
+        found = _found(path)
+        message = f"{what} {shown} {found or 'does not exist'}"
+        if found is None and not os.path.isabs(os.path.expanduser(value)):
             message += f"; relative paths resolve against {base_reason}"
         self.items.append(ConfigProblem(origin, message, MISSING_PATH, dataset,
                                         frozen({"value": value, "resolved": path})))
+
+
+def _found(path: str) -> str | None:
+    """What is at `path` where a caller found no folder, or no file, to use: None when nothing
+    is. (A FIFO or a device in a jsonl file's place is there; saying it does not exist sends
+    the user looking for a typo.)"""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # gone, a dangling symlink, a NUL in the name
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file"
+    if stat.S_ISREG(mode):
+        return "is a file, not a folder"
+    kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
+    return f"is a {kind}, neither a file nor a folder"
 
 
 def typed(config: ConfigFile, problems: Problems, where: tuple, obj: Mapping, key: str,

@@ -274,7 +274,7 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                                  f"{type_name(subset)}: expected a table")
                 continue
             value = subset.get("image_dir")
-            if not isinstance(value, str) or not value:
+            if not isinstance(value, str) or not value or "\0" in value:  # no path holds a NUL
                 what = "has no image_dir" if value is None else f"has image_dir {value!r}"
                 problems.invalid(dataset_file.origin(*where, "image_dir") if value is not None
                                  else dataset_file.origin(*where),

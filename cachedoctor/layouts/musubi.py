@@ -203,6 +203,11 @@ def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tupl
                          "video_directory or jsonl file: expected one", ident,
                          key="image_directory")
         return None
+    for key in (media_key, "cache_directory"):
+        if "\0" in str(table.get(key, "")):  # os.path and os.listdir raise ValueError on it
+            problems.invalid(config.origin(*where, key), f"{key} holds a NUL byte: no path can",
+                             ident, key=key)
+            return None
     media = resolve(root, directory) if directory else None
     if media is not None and not os.path.isdir(media):
         problems.missing(config.origin(*where, media_key), media_key, directory, media,
@@ -295,7 +300,7 @@ def _captions(media: str | None, extension: object, jsonl: str | None,
                 for line in f:
                     try:
                         item = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):  # a line nested past json's reach
                         continue
                     path = item.get("video_path" if video else "image_path") if isinstance(
                         item, dict) else None

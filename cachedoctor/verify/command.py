@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from cachedoctor.findings import printable
 from cachedoctor.verify.run import VerifyOptions
 from cachedoctor.verify.sample import SampleError, SampleSize
 
@@ -51,7 +52,7 @@ def verify(targets: list[str], encoder: str | None, sample: str, device: str, se
 
     def progress(line: str) -> None:
         if not quiet:
-            print(line, file=sys.stderr, flush=True)
+            print(printable(line), file=sys.stderr, flush=True)  # a dataset id is the config's text
 
     try:
         report = run(layouts, chosen, VerifyOptions(size, seed, device, batch_size), progress, chosen_text)

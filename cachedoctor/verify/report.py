@@ -7,7 +7,7 @@ import json
 import os
 from typing import IO, Any
 
-from cachedoctor.findings import display_path
+from cachedoctor.findings import display_path, printable
 from cachedoctor.verify.run import VerifyReport
 
 
@@ -39,9 +39,9 @@ def write_text(report: VerifyReport, out: IO[str]) -> None:
     for dataset in report.datasets:
         where = display_path(dataset.cache_dir, os.getcwd()) if dataset.cache_dir else ""
         what = f"{dataset.trainer}, caption embeddings" if dataset.kind == "text" else dataset.trainer
-        out.write(f"\n{dataset.id} ({what}) {where}\n")
+        out.write(f"\n{printable(dataset.id)} ({what}) {where}\n")
         if dataset.note:
-            out.write(f"  not verified: {dataset.note}\n")
+            out.write(f"  not verified: {printable(dataset.note)}\n")
             continue
         compared = dataset.compared
         skipped = [c for c in dataset.checked if c.verdict == "skipped"]
@@ -53,14 +53,14 @@ def write_text(report: VerifyReport, out: IO[str]) -> None:
             out.write(f"  {metric:<9} min {values['min']:.4f}  median {values['median']:.4f}  "
                       f"{tail} {values[tail]:.4f}  max {values['max']:.4f}\n")
         for c in skipped[:5]:
-            out.write(f"  skipped {os.path.basename(c.entry)}: {c.note}\n")
+            out.write(f"  skipped {printable(os.path.basename(c.entry))}: {printable(c.note)}\n")
         if len(skipped) > 5:
             out.write(f"  ... {len(skipped) - 5} more skipped (--format json lists them)\n")
     if report.findings:
         out.write("\n")
     for finding in report.findings:
         out.write(f"{finding.code} {finding.severity} {display_path(finding.path, os.getcwd())}\n"
-                  f"      {finding.message}\n")
+                  f"      {printable(finding.message)}\n")
     work = []
     if report.encoder is not None:
         work.append(f"{report.images} images encoded in {report.seconds:.1f} s "

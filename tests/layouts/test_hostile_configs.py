@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cachedoctor.fixtures.projects import aitoolkit, musubi, onetrainer, simpletuner
-from cachedoctor.layouts import TargetError
+from cachedoctor.layouts import TargetError, resolve
 
 from conftest import scan_paths
 
@@ -139,3 +139,74 @@ def test_a_config_or_metadata_file_that_is_no_regular_file_neither_hangs_nor_fil
     else:
         assert result.returncode in (0, 1), result.stderr
         json.loads(result.stdout)
+
+
+def test_a_fifo_in_a_jsonl_files_place_is_said_to_be_one(tmp_path: Path) -> None:
+    """A musubi image_jsonl_file that is a FIFO is there: CD408 says what it is, not that it
+    does not exist (which sends the user looking for a typo)."""
+    project = musubi.build(tmp_path / "m")
+    project.config.write_text(project.config.read_text().replace(
+        'image_directory = "images"', 'image_jsonl_file = "meta.jsonl"', 1))
+    os.mkfifo(project.root / "meta.jsonl")
+
+    result = _bounded_cli(str(project.config))
+
+    [finding] = [f for f in json.loads(result.stdout)["findings"] if f["code"] == "CD408"]
+    assert finding["message"].endswith('"meta.jsonl" (' + str(project.root / "meta.jsonl") +
+                                       ") is a FIFO, neither a file nor a folder"), finding
+
+
+def test_a_configured_path_of_the_other_kind_is_said_to_be_what_it_is(tmp_path: Path) -> None:
+    """kohya's image_dir names a file, musubi's image_jsonl_file a folder: CD408 says so."""
+    from cachedoctor.fixtures.projects import kohya
+
+    k = kohya.build(tmp_path / "k")
+    dataset = k.root / "dataset.toml"
+    dataset.write_text(dataset.read_text().replace('"train/10_person"', '"train/planted"'))
+    (k.root / "train" / "planted").write_text("")
+    m = musubi.build(tmp_path / "m")
+    m.config.write_text(m.config.read_text().replace(
+        'image_directory = "images"', 'image_jsonl_file = "planted"', 1))
+    (m.root / "planted").mkdir()
+
+    [in_kohya] = [f.message for f in scan_paths(k.config).findings if f.code == "CD408"]
+    [in_musubi] = [f.message for f in scan_paths(m.config).findings if f.code == "CD408"]
+    assert in_kohya.endswith("/train/planted) is a file, not a folder"), in_kohya
+    assert in_musubi.endswith("/planted) is a folder, not a file"), in_musubi
+
+
+def test_a_jsonl_line_nested_past_json_is_skipped_as_a_bad_line(tmp_path: Path) -> None:
+    """musubi's jsonl comes with the project: a line of 100,000 nested brackets is skipped as a
+    line that is no JSON is (its RecursionError stopped the scan), the other lines still read."""
+    project = musubi.build(tmp_path / "m")
+    project.config.write_text(project.config.read_text().replace(
+        'image_directory = "images"', 'image_jsonl_file = "meta.jsonl"', 1))
+    (project.root / "meta.jsonl").write_text(
+        "[" * 100_000 + "]" * 100_000 + "\n"
+        + json.dumps({"image_path": "/data/img_000.png", "caption": "a photo"}) + "\n")
+
+    [layout] = resolve([str(project.config)])
+
+    assert layout.datasets[0].options["captions"] == {"img_000": "a photo"}
+
+
+@pytest.mark.parametrize(("trainer", "key"), [("kohya", "image_dir"), ("musubi", "image_directory"),
+                                              ("musubi", "video_directory"),
+                                              ("musubi", "cache_directory")])
+def test_a_path_holding_a_nul_byte_is_a_finding(trainer: str, key: str, tmp_path: Path) -> None:
+    """TOML can spell a NUL (\\u0000); os.path.realpath and os.listdir raise ValueError on one,
+    which stopped the scan. It is CD409 at its key, and the scan goes on."""
+    from cachedoctor.fixtures.projects import kohya
+
+    project = (kohya if trainer == "kohya" else musubi).build(tmp_path / "p")
+    config = project.root / "dataset.toml"
+    text = config.read_text()
+    start = text.index(f"{key} = ")
+    end = text.index("\n", start)
+    config.write_text(text[:start] + f'{key} = "a/\\u0000/b"' + text[end:])
+
+    report = scan_paths(project.config)
+
+    [finding] = [f for f in report.findings if f.code == "CD409"]
+    assert finding.details["key"].endswith(key) and finding.details["line"] == \
+        text[:start].count("\n") + 1, finding

@@ -333,3 +333,24 @@ def test_a_onetrainer_sample_goes_on_the_device_most_of_its_neighbours_were_save
     assert sum(m.locations == ("cuda:0",) for m in written) == len(written) - 1
 
 
+
+
+def test_a_neighbour_whose_metadata_nests_past_json_is_no_template(tmp_path: Path) -> None:
+    """An ai-toolkit entry's header metadata is the cache's text: a value of 100,000 nested
+    brackets in a healthy neighbour is no template (the JSON decoder's RecursionError stopped
+    the plan), and the broken entry is still encoded again from another neighbour."""
+    project = aitoolkit.build(tmp_path / "a")
+    poisoned, broken, *_ = sorted((project.root / "datasets" / "person").glob(
+        "_latent_cache/*.safetensors"))
+    tensors = safetensors.torch.load_file(poisoned)
+    with safetensors.safe_open(poisoned, "pt") as f:
+        metadata = f.metadata()
+    safetensors.torch.save_file(tensors, poisoned,
+                                metadata={**metadata, "extra": "[" * 100_000 + "]" * 100_000})
+    broken.write_bytes(b"")
+
+    result = invoke("fix", str(project.config), "--reencode", "--encoder", "reference",
+                    "--dry-run", "-j", "1")
+
+    assert result.exit_code == 0, result.stderr
+    assert "reencode    1 file" in result.stdout and broken.name in result.stdout
