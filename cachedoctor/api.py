@@ -54,6 +54,16 @@ def _codes(value: str | Iterable[str] | None) -> list[str] | None:
     return [c.strip() for item in items for c in str(item).split(",") if c.strip()]
 
 
+def _table(value: Any, name: str, source: str) -> list[tuple[Any, Any]]:
+    """A mapping option's items; ConfigError (not a TypeError) for anything else."""
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        raise configuration.ConfigError(f"{source}: {name} must be a mapping, not "
+                                        f"{type(value).__name__}")
+    return list(value.items())
+
+
 def resolve_policy(*, select: str | Iterable[str] | None = None,
                    ignore: str | Iterable[str] | None = None,
                    extend_select: str | Iterable[str] | None = None,
@@ -81,8 +91,9 @@ def resolve_policy(*, select: str | Iterable[str] | None = None,
         "deep": deep,
         "fail-on": fail_on,
         "baseline": os.fspath(baseline) if baseline is not None else None,
-        "severity": {code: str(level) for code, level in (severity or {}).items()},
-        "rules": {code: dict(values) for code, values in (rules or {}).items()},
+        "severity": {code: str(level) for code, level in _table(severity, "severity", source)},
+        "rules": {code: dict(_table(values, f"rules.{code}", source))
+                  for code, values in _table(rules, "rules", source)},
         "include-info": include_info,
     }
     table = {key: value for key, value in given.items() if value not in (None, {})}

@@ -84,6 +84,10 @@ def test_bad_options_raise_clear_errors(broken: Path) -> None:
         cachedoctor.preflight(broken, fail_on="sometimes", isolated=True)
     with pytest.raises(cachedoctor.ConfigError, match=r"rules\.CD201\.min-ratio: expected float"):
         cachedoctor.scan(broken, rules={"CD201": {"min-ratio": "high"}}, isolated=True)
+    with pytest.raises(cachedoctor.ConfigError, match=r"rules\.CD201 must be a mapping"):
+        cachedoctor.scan(broken, rules={"CD201": 5}, isolated=True)  # (was a TypeError)
+    with pytest.raises(cachedoctor.ConfigError, match="severity must be a mapping"):
+        cachedoctor.scan(broken, severity=5, isolated=True)  # (was an AttributeError)
     with pytest.raises(TypeError):
         cachedoctor.scan(broken, selct=["CD1"])
     with pytest.raises(cachedoctor.TargetError):
