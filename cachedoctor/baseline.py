@@ -39,6 +39,7 @@ from cachedoctor import __version__
 from cachedoctor.findings import Finding, Report, jsonable, printable
 
 VERSION = 1
+MAX_BASELINE_BYTES = 256 * 2**20  # about a million findings
 CLOCK_SUFFIXES = ("seconds", "age", "mtime", "time")
 SIZE_SUFFIXES = ("files", "count", "counts", "examples")  # grow with the cache, not the defect
 VOLATILE = CLOCK_SUFFIXES + SIZE_SUFFIXES
@@ -94,8 +95,13 @@ class Baseline:
             # baseline, and a config may come with a cache) would hang the scan or fill memory
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             with open(fd, encoding="utf-8") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     raise BaselineError(f"cannot read baseline {path}: not a regular file")
+                if st.st_size > MAX_BASELINE_BYTES:  # (a config may name any file)
+                    raise BaselineError(f"cannot read baseline {path}: {st.st_size:,} bytes, "
+                                        f"more than a baseline holds "
+                                        f"({MAX_BASELINE_BYTES // 2**20} MiB at most)")
                 data = json.load(f)
             if data.get("version") != VERSION:
                 raise BaselineError(f"{path}: baseline version {data.get('version')!r}, "

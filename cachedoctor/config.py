@@ -40,6 +40,7 @@ from typing import Any
 from cachedoctor.applied import AppliedPolicy
 from cachedoctor.findings import DEFAULT_FAIL_ON, FailOn, Severity
 from cachedoctor.options import ScanOptions, Selection, resolve_selection
+from cachedoctor.regular_files import open_regular
 
 CONFIG_FILE = "cachedoctor.toml"
 PYPROJECT = "pyproject.toml"
@@ -113,7 +114,13 @@ def find(start: str | os.PathLike | None = None) -> Path | None:
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
+        # a regular file only, opened without blocking, of a config's size: the API may be
+        # handed a FIFO, and a project's config may come with a cache
+        fd, st = open_regular(str(path))
+        with open(fd, "rb") as f:
+            if st.st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{path}: {st.st_size:,} bytes, more than a cachedoctor config "
+                                  f"holds ({MAX_CONFIG_BYTES // 2**20} MiB at most): not read")
             return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
@@ -124,6 +131,9 @@ def _read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
     except ValueError as exc:  # an integer of more digits than int() takes
         raise ConfigError(f"{path}: invalid TOML: {str(exc).split(';')[0]}") from None
+
+
+MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def load(path: str | os.PathLike) -> Config:

@@ -143,3 +143,15 @@ def test_fingerprint_leaves_out_what_grows_with_the_cache() -> None:
     # top-level numbers are evidence, not a tally
     assert fingerprint(_finding("/a/x.pt", wasted_bytes=10), "/a") != fingerprint(
         _finding("/a/x.pt", wasted_bytes=11), "/a")
+
+
+def test_a_baseline_past_its_size_is_a_usage_error_read_no_further(project: Path,
+                                                                    monkeypatch) -> None:
+    """A config may name any file as its baseline (a model checkpoint): past the size a
+    baseline has, it is refused from its stat, not loaded into memory."""
+    from cachedoctor import baseline
+
+    monkeypatch.setattr(baseline, "MAX_BASELINE_BYTES", 1024)
+    Path("b.json").write_text('{"version": 1, "findings": []}' + " " * 2000)
+    result = invoke("scan", "cache", "--isolated", "--baseline", "b.json")
+    assert result.exit_code == 2 and "more than a baseline holds" in result.stderr

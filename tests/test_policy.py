@@ -330,3 +330,21 @@ def test_fix_prints_the_policy_it_runs_under(tmp_path: Path, monkeypatch) -> Non
     (tmp_path / "cachedoctor.toml").write_text('ignore = ["CD105"]\n')
     result = invoke("fix", "cache", "--dry-run")
     assert "cachedoctor: warning: CD105 (unsafe-pickle) is switched off by" in result.stderr
+
+
+def test_a_config_that_is_no_regular_file_or_too_big_is_a_config_error(tmp_path: Path) -> None:
+    """The API reads the config file it is given: a FIFO there neither hangs it nor is read,
+    and a file past a config's size is refused from its stat."""
+    import os
+
+    import cachedoctor
+    from cachedoctor import config
+
+    fifo = tmp_path / "cachedoctor.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(cachedoctor.ConfigError, match="not a regular file"):
+        cachedoctor.scan(tmp_path, config=fifo)
+    big = tmp_path / "big.toml"
+    big.write_text("select = ['CD1']\n" + "#" * (config.MAX_CONFIG_BYTES + 1))
+    with pytest.raises(cachedoctor.ConfigError, match="more than a cachedoctor config holds"):
+        cachedoctor.scan(tmp_path, config=big)
