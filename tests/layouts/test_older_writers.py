@@ -28,7 +28,7 @@ from cachedoctor.fixtures.devices import stored_as
 from cachedoctor.fixtures.projects import aitoolkit, onetrainer
 from cachedoctor.layouts.musubi import select_bucket
 
-from conftest import by_code, scan_paths
+from conftest import by_code, invoke, scan_paths
 
 torch = pytest.importorskip("torch")
 SEVERE = 2
@@ -264,3 +264,18 @@ def test_onetrainer_distribution_and_latent_samples_agree_in_shape(
     assert stored == {3}  # both kinds are there: 3 keys each, latent_image or the distribution
     report = scan_paths(config)
     assert [f for f in report.findings if f.code in ("CD301", "CD302", "CD303")] == []
+
+
+def test_onetrainer_vae_distribution_of_another_size_is_never_reencoded_as_latent_image(
+        tmp_path: Path, diffusers_vae) -> None:
+    """The OneTrainer of such a cache reads `latent_image_distribution`: a `latent_image` sample
+    written among its samples would stop it with KeyError. So `--reencode` writes none; the
+    samples go to the quarantine with their aggregate.pt, and OneTrainer caches the folder
+    again, in the format of whichever version runs."""
+    config, samples = _onetrainer_before_474dd2c6(tmp_path / "ot", ("CD302",))
+    result = invoke("fix", str(config), "--reencode", "--encoder", "reference", "--yes")
+    assert result.exit_code == 0, result.output
+    folder = samples[0].parent
+    assert not (folder / "aggregate.pt").exists()
+    left = [torch.load(p, map_location="cpu", weights_only=False) for p in folder.glob("*.pt")]
+    assert left and all("latent_image" not in s for s in left)
