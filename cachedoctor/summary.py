@@ -16,6 +16,7 @@ kept in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import marshal
 import os
@@ -42,6 +43,10 @@ LATENT_KEYS = ("latents", "latent", "latent_image")
 KOHYA_RESO_KEY = re.compile(r"^latents_\d+x\d+$")
 # musubi-tuner: `latents_<F>x<H>x<W>_<dtype>` ([C, F, H, W]; FLUX.2 `latents_<H>x<W>_<dtype>`)
 MUSUBI_KEY = re.compile(r"^latents_\d+x\d+(x\d+)?_[a-z][a-z0-9_]*$")
+# OneTrainer before 474dd2c6 (2024-07-14, mgds 0ab2f97) cached the VAE's output as it came: a
+# diffusers DiagonalGaussianDistribution of [1, 2C, h, w] parameters. Its loader trained on
+# SampleVAEDistribution(mode="mean"): `distribution.mode().squeeze()`, the mean as [C, h, w].
+DISTRIBUTION_MEAN = ("latent_image_distribution", "mean")
 # Keys that only text-encoder outputs carry (SimpleTuner, OneTrainer, kohya, ai-toolkit).
 TEXT_KEY = re.compile(
     r"(prompt_embeds|pooled|hidden_state|text_embed|t5_out|lg_out|vlm_embed|byt5_embed"
@@ -77,10 +82,14 @@ def is_floating(dtype: str | None) -> bool:
 
 
 def primary_latent(meta: FileMeta) -> TensorMeta | None:
-    """The tensor that is the latent: a bare tensor, a known key, or the only 3-D+ tensor."""
+    """The tensor that is the latent: a bare tensor, a known key, the mean of OneTrainer's
+    cached VAE distribution, or the only 3-D+ tensor."""
     tensors = meta.tensors
     if meta.metadata and meta.metadata.get("architecture") == "hidream_o1_image":
         return None  # musubi's HiDream-O1 caches pixel patch tokens [H, W, D], no latent
+    mean = next((t for t in tensors if t.path == DISTRIBUTION_MEAN), None)
+    if mean is not None:
+        return _squeezed(mean)
     if len(tensors) == 1 and (tensors[0].path == () or len(tensors[0].shape) >= 3):
         return tensors[0]
     by_key = {t.path[-1]: t for t in tensors if len(t.path) == 1 and isinstance(t.path[0], str)}
@@ -95,6 +104,13 @@ def primary_latent(meta: FileMeta) -> TensorMeta | None:
         return musubi[0]
     big = [t for t in tensors if len(t.shape) >= 3]
     return big[0] if len(big) == 1 else None
+
+
+def _squeezed(tensor: TensorMeta) -> TensorMeta:
+    """The tensor as torch's squeeze() views it: its axes of size 1 dropped."""
+    kept = [i for i, n in enumerate(tensor.shape) if n != 1]
+    return dataclasses.replace(tensor, shape=tuple(tensor.shape[i] for i in kept),
+                               stride=tuple(tensor.stride[i] for i in kept))
 
 
 _TEXT_KEYS: dict[str, bool] = {}  # key -> is a text-encoder key; keys repeat across a cache

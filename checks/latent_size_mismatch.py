@@ -4,9 +4,12 @@ divided by the VAE factor. The bucket size comes from the trainer: SimpleTuner's
 in `aspect_ratio_bucket_metadata_<id>.json` (looked up by the sha256 of the image's stem),
 kohya's bucket for the image size in the npz name under the dataset's bucket settings,
 OneTrainer's `crop_resolution` in `aggregate.pt`, ai-toolkit's `crop_width`/`crop_height` in
-the safetensors header, musubi-tuner's bucket for the size in the file name. A Kandinsky 5
-latent cached with musubi's `--nabla_resize` may be the bucket rounded up to a multiple of
-128 px instead. SimpleTuner's factor is its `--model_family`'s: 8 for most, 16 for FLUX.2,
+the safetensors header, musubi-tuner's bucket for the size in the file name. A OneTrainer
+sample cached before 2024-07-14 is judged by the mean of its `latent_image_distribution`, the
+latent its loader trained on. musubi's factor is 16 for FLUX.2, Ideogram 4, ERNIE-Image and
+HunyuanVideo 1.5 and 8 for the others; Wan (whose factor depends on the model) and HiDream-O1
+expect no size. A Kandinsky 5 latent cached with musubi's `--nabla_resize` may be the bucket
+rounded up to a multiple of 128 px instead. SimpleTuner's factor is its `--model_family`'s: 8 for most, 16 for FLUX.2,
 ERNIE and Ideogram (patchified before caching), HunyuanVideo 1.5 and Wan 2.2 TI2V-5B, 32 for
 Sana and LTX-Video; a family whose cached latents cachedoctor does not know expects no size.
 

@@ -51,23 +51,34 @@ NAME = "musubi"
 TITLE = "musubi-tuner"
 
 # short name -> (architecture metadata, VAE spatial factor or None when it depends on the model
-# version, bucket step, script prefix of the caching scripts)
+# version or the latent is no VAE's, bucket step, script prefix of the caching scripts)
+# The /16 factors, as 30c658c4 encodes (the bucket's sides are multiples of its 16-px step):
+# - FLUX.2: flux_2_cache_latents.py loads one AutoEncoder for every --model_version
+#   (flux2_utils.load_ae: AutoEncoderParams(), ch_mult [1, 2, 4, 4], three stride-2
+#   Downsamples, /8) and flux_2/flux2_models.AutoEncoder.encode folds 2x2 patches into the
+#   channels: [128, H/16, W/16], saved by cache_io.save_latent_cache_flux_2.
+# - Ideogram 4: ideogram4_cache_latents.py, ideogram4/ideogram4_autoencoder.AutoEncoder (the
+#   FLUX.2 Encoder, the same 2x2 fold in (pi pj c) order): [128, H/16, W/16].
+# - HunyuanVideo 1.5: hv_1_5_cache_latents.py, hunyuan_video_1_5_vae.load_vae_from_checkpoint
+#   (AutoencoderKLConv3D ffactor_spatial 16, ffactor_temporal 4): [32, F, H/16, W/16]. With
+#   tiling (--vae_sample_size, default 128; 256; 0 = off) the tiles' rows add up to H/16 as
+#   long as the sample size is a multiple of 64, as those are.
 ARCHITECTURES: dict[str, tuple[str, int | None, int, str]] = {
     "hv": ("hunyuan_video", 8, 16, ""),
     "wan": ("wan", None, 16, "wan_"),  # Wan 2.1 VAE: /8, Wan 2.2 TI2V-5B VAE: /16
     "fp": ("framepack", 8, 16, "fpack_"),
     "fk": ("flux_kontext", 8, 16, "flux_kontext_"),
-    "f2d": ("flux_2_dev", None, 16, "flux_2_"),
-    "f2k4b": ("flux_2_klein_4b", None, 16, "flux_2_"),
-    "f2k9b": ("flux_2_klein_9b", None, 16, "flux_2_"),
+    "f2d": ("flux_2_dev", 16, 16, "flux_2_"),
+    "f2k4b": ("flux_2_klein_4b", 16, 16, "flux_2_"),
+    "f2k9b": ("flux_2_klein_9b", 16, 16, "flux_2_"),
     "qi": ("qwen_image", 8, 16, "qwen_image_"),
     "qie": ("qwen_image_edit", 8, 16, "qwen_image_"),
     "qil": ("qwen_image_layered", 8, 16, "qwen_image_"),
     "k5": ("kandinsky5", 8, 16, "kandinsky5_"),
-    "hv15": ("hunyuan_video_1_5", None, 16, "hv_1_5_"),
+    "hv15": ("hunyuan_video_1_5", 16, 16, "hv_1_5_"),
     "zi": ("z_image", 8, 16, "zimage_"),
-    "ho1": ("hidream_o1_image", None, 32, "hidream_o1_"),
-    "i4": ("ideogram4", None, 16, "ideogram4_"),
+    "ho1": ("hidream_o1_image", None, 32, "hidream_o1_"),  # pixel patch tokens, no latent
+    "i4": ("ideogram4", 16, 16, "ideogram4_"),
     "kr2": ("krea2", 8, 16, "krea2_"),
     # ERNIE-Image: not in 30c658c4's architectures.py; PR #935 (head d94e2d6) adds it, its
     # latents patchified FLUX.2 VAE output [128, H/16, W/16] under `latents_<H>x<W>_<dtype>`

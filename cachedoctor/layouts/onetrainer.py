@@ -9,7 +9,9 @@ other config against its own folder.
 
 Cache: `<cache_dir>/image/<sha256>/variation-<n>/<i>.pt` (one dict per sample, keys as the
 model's data loader names them: `latent_image` alone for SD 1.x/2.x, PixArt and Sana, with
-`original_resolution` and `crop_offset` for SDXL, SD3, Flux and most others) and `aggregate.pt`
+`original_resolution` and `crop_offset` for SDXL, SD3, Flux and most others; before 474dd2c6,
+2024-07-14, a `latent_image_distribution` in place of `latent_image`, whose mean is the latent,
+see summary.primary_latent) and `aggregate.pt`
 beside them, written last: a list whose item i holds `image_path` and `crop_resolution` (h, w)
 of `<i>.pt`; the latent is crop / 8 but for Sana (crop / 32) and Wuerstchen/Stable Cascade
 (not sized), by `model_type`. The group hash covers the concept's whole image config with defaults filled in, so

@@ -13,6 +13,9 @@ laid out by `utils/safetensors_utils.mem_eff_save_file` (musubi.save_padded):
 - Z-Image: [16, H/8, W/8] under `latents_1x…`; Ideogram 4: [128, H/16, W/16] bfloat16 under
   `latents_1x…`, text `varlen_i4_llm_features_` in bf16, fp8 or float32
   (`--text_cache_dtype`); Krea 2: [16, 1, H/8, W/8], text [T, layers, D].
+- FLUX.2 (`flux_2_cache_latents.py`, one AutoEncoder for dev, Klein 4B and Klein 9B):
+  [128, H/16, W/16] under `latents_<H>x<W>_`, controls `latents_control_<i>_<H>x<W>_`.
+  FLUX.2, Ideogram 4 and HunyuanVideo 1.5 latents are their bucket / 16 (CD302).
 - ERNIE-Image (pull request #935, head d94e2d6, not merged in 30c658c4): `ei`,
   `ernie_image`, [128, H/16, W/16] under `latents_<H>x<W>_`, text `varlen_text_embed_`.
 """
@@ -244,3 +247,54 @@ def test_ernie_image_and_ideogram4_defects_are_still_cd306(tmp_path: Path) -> No
     assert set(found) == {latent.name, text.name}
     assert "6x10 (H x W, no frame axis)" in found[latent.name]
     assert "float8_e4m3fn" in found[text.name]
+
+
+def flux_2(width: int, height: int, frames: int) -> dict:
+    """flux_2_cache_latents.encode_and_save_batch: AutoEncoder.encode folds the /8 KL latent's
+    2x2 patches into channels, [128, H/16, W/16], saved as `latents_<H>x<W>_` (no frame axis),
+    with a control of another size (no_resize_control) beside it."""
+    return musubi.flux_2_latent(rand(128, height // 16, width // 16), [rand(128, 8, 8)])
+
+
+# (short name, architecture metadata, latent(w, h, frames), text(n)) as each writer makes them
+SIXTEEN = {
+    **{arch: (full, flux_2, lambda n: {"ctx_vec_bfloat16": rand(512, 96)})
+       for arch, full in (("f2d", "flux_2_dev"), ("f2k4b", "flux_2_klein_4b"),
+                          ("f2k9b", "flux_2_klein_9b"))},
+    "i4": IMAGE_ARCHITECTURES["i4"],
+    "hv15": ("hunyuan_video_1_5", hunyuan_video_1_5, hunyuan_video_1_5_text),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SIXTEEN))
+def test_latents_of_sixteen_pixel_cells_are_healthy(tmp_path: Path, arch: str) -> None:
+    """FLUX.2 (every model: one AutoEncoder), Ideogram 4 and HunyuanVideo 1.5 latents are
+    their bucket / 16: no CD302 for any of them, images and clips alike."""
+    full, latent, text = SIXTEEN[arch]
+    config = project(tmp_path, arch, full, latent, text, video=arch == "hv15")
+    assert severe(scan_paths(config)) == []
+
+
+@pytest.mark.parametrize("arch", sorted(SIXTEEN))
+def test_a_latent_of_another_bucket_is_cd302(tmp_path: Path, arch: str) -> None:
+    """A 160x96 image's latent encoded at 128x128 (the config changed, a file was copied):
+    8x8 where the bucket needs 6x10. Before, the factor of these architectures was unknown
+    and CD302 never looked at them."""
+    full, latent, text = SIXTEEN[arch]
+    config = project(tmp_path, arch, full, latent, text)
+    path = tmp_path / "cache" / musubi.latent_name("img_100", 160, 96, arch)
+    musubi.save_latents(path, latent(128, 128, 1), full, 160, 96)
+    (finding,) = by_code(scan_paths(config), "CD302")
+    assert Path(finding.path).name == path.name
+    assert finding.details["actual"] == [8, 8] and finding.details["expected"] == [6, 10]
+
+
+def test_a_hunyuan_video_1_5_clip_of_another_size_is_cd302(tmp_path: Path) -> None:
+    """A 9-frame clip's latent [32, 3, H, W] encoded at 128x128 for its 160x96 bucket."""
+    config = project(tmp_path, "hv15", "hunyuan_video_1_5", hunyuan_video_1_5,
+                     hunyuan_video_1_5_text, video=True)
+    path = tmp_path / "vcache" / musubi.latent_name("clip_1", 160, 96, "hv15", "_00000-009")
+    musubi.save_latents(path, hunyuan_video_1_5(128, 128, 3), "hunyuan_video_1_5", 160, 96,
+                        frame_count=9)
+    (finding,) = by_code(scan_paths(config), "CD302")
+    assert Path(finding.path).name == path.name

@@ -187,7 +187,7 @@ def test_other_architectures_as_their_writers_key_them(tmp_path: Path) -> None:
                 "clip_l_pooler_bfloat16": torch.randn(768).to(bf)}),
         "zi": ("z_image", {"latents_1x24x40_bfloat16": torch.randn(16, 24, 40).to(bf)},
                {"varlen_llm_embed_bfloat16": torch.randn(9, 64).to(bf)}),
-        "i4": ("ideogram4", {"latents_1x24x40_bfloat16": torch.randn(16, 24, 40).to(bf)},
+        "i4": ("ideogram4", {"latents_1x12x20_bfloat16": torch.randn(128, 12, 20).to(bf)},
                {"varlen_i4_llm_features_bfloat16": torch.randn(9, 64).to(bf)}),
     }
     for arch, (full, latents, text) in specs.items():

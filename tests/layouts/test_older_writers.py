@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from cachedoctor.fixtures.devices import stored_as
 from cachedoctor.fixtures.projects import aitoolkit, onetrainer
 from cachedoctor.layouts.musubi import select_bucket
 
-from conftest import by_code, scan_paths
+from conftest import by_code, invoke, scan_paths
 
 torch = pytest.importorskip("torch")
 SEVERE = 2
@@ -166,12 +167,17 @@ def diffusers_vae(monkeypatch: pytest.MonkeyPatch) -> type:
     return DiagonalGaussianDistribution
 
 
-def _onetrainer_before_474dd2c6(root: Path) -> tuple[Path, list[Path]]:
-    """onetrainer.build's project, its samples as OneTrainer cached them before 2024-07-14."""
-    project = onetrainer.build(root)
+def _onetrainer_before_474dd2c6(root: Path, defects: tuple[str, ...] = (),
+                                old: Callable[[int], bool] = lambda i: True,
+                                ) -> tuple[Path, list[Path]]:
+    """onetrainer.build's project (with its `defects`), its samples as OneTrainer cached them
+    before 2024-07-14; `old(i)`: whether sample i is rewritten so (else it stays as now)."""
+    project = onetrainer.build(root, defects)
     cache = project.root / "workspace-cache" / "run"
     samples = sorted((cache / "image").glob("*/variation-0/[0-9]*.pt"))
     for path in samples:
+        if not old(int(path.stem)):
+            continue
         sample = torch.load(path, map_location="cpu", weights_only=True)
         latent = sample.pop("latent_image")
         moments = torch.cat([latent, torch.randn_like(latent) - 8]).unsqueeze(0)  # vae.encode(image.unsqueeze(0))
@@ -214,3 +220,62 @@ def test_onetrainer_vae_distribution_is_still_cd105_beside_another_global(
     elsewhere.parent.mkdir(parents=True)
     torch.save({"latent": DiagonalGaussianDistribution(torch.randn(1, 8, 16, 16))}, elsewhere)
     assert [f.path for f in by_code(scan_paths(tmp_path / "bare"), "CD105")] == [str(elsewhere)]
+
+
+def _relative(report, root: Path) -> list[tuple[str, str]]:
+    return sorted((f.code, str(Path(f.path).relative_to(root))) for f in report.findings
+                  if f.severity >= SEVERE)
+
+
+def test_onetrainer_vae_distribution_of_another_size_is_cd302(
+        tmp_path: Path, diffusers_vae) -> None:
+    """A crop bucket encoded at its old size, stored as `latent_image_distribution`: the loader
+    of that time trained on its mean (mgds 0ab2f97 SampleVAEDistribution, mode "mean":
+    `distribution.mode().squeeze()`), so it is judged as a `latent_image` is. It passed before:
+    such a sample had no latent CD302 could pick."""
+    new = onetrainer.build(tmp_path / "new", ("CD302",))
+    config, _ = _onetrainer_before_474dd2c6(tmp_path / "old", ("CD302",))
+    expected = _relative(scan_paths(new.config), tmp_path / "new")
+    assert expected and {code for code, _ in expected} == {"CD302"}
+    assert _relative(scan_paths(config), tmp_path / "old") == expected
+    (finding, *_) = by_code(scan_paths(config), "CD302")
+    assert len(finding.details["shape"]) == 3  # [C, h, w], as the loader hands it on
+
+
+def test_onetrainer_one_vae_distribution_of_another_size_is_cd301_and_cd302(
+        tmp_path: Path, diffusers_vae) -> None:
+    """One sample encoded at another crop than aggregate.pt says, among right-sized ones."""
+    new = onetrainer.build(tmp_path / "new", ("CD301",))
+    config, _ = _onetrainer_before_474dd2c6(tmp_path / "old", ("CD301",))
+    expected = _relative(scan_paths(new.config), tmp_path / "new")
+    assert {code for code, _ in expected} == {"CD301", "CD302"}
+    assert _relative(scan_paths(config), tmp_path / "old") == expected
+
+
+def test_onetrainer_distribution_and_latent_samples_agree_in_shape(
+        tmp_path: Path, diffusers_vae) -> None:
+    """Samples of both writers side by side in one bucket: the mean the old loader squeezed and
+    the `latent_image` the new one reads are both [C, h, w], so no shape rule tells them apart
+    (the distribution's [1, C, h, w] as stored would have been CD301 against the others).
+    No one OneTrainer loads both, though: mgds DiskCache.get_item reads its own key of every
+    sample (KeyError on the other), which these rules do not judge."""
+    config, samples = _onetrainer_before_474dd2c6(tmp_path / "ot", old=lambda i: i % 2 == 0)
+    stored = {len(torch.load(p, map_location="cpu", weights_only=False)) for p in samples}
+    assert stored == {3}  # both kinds are there: 3 keys each, latent_image or the distribution
+    report = scan_paths(config)
+    assert [f for f in report.findings if f.code in ("CD301", "CD302", "CD303")] == []
+
+
+def test_onetrainer_vae_distribution_of_another_size_is_never_reencoded_as_latent_image(
+        tmp_path: Path, diffusers_vae) -> None:
+    """The OneTrainer of such a cache reads `latent_image_distribution`: a `latent_image` sample
+    written among its samples would stop it with KeyError. So `--reencode` writes none; the
+    samples go to the quarantine with their aggregate.pt, and OneTrainer caches the folder
+    again, in the format of whichever version runs."""
+    config, samples = _onetrainer_before_474dd2c6(tmp_path / "ot", ("CD302",))
+    result = invoke("fix", str(config), "--reencode", "--encoder", "reference", "--yes")
+    assert result.exit_code == 0, result.output
+    folder = samples[0].parent
+    assert not (folder / "aggregate.pt").exists()
+    left = [torch.load(p, map_location="cpu", weights_only=False) for p in folder.glob("*.pt")]
+    assert left and all("latent_image" not in s for s in left)
