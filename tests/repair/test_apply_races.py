@@ -298,3 +298,52 @@ def test_the_cli_reports_each_file_changed_after_its_plan_was_shown(
     assert (f"  skipped quarantine {path}: a folder on its path changed since the plan: sub/ is now "
             "a symlink or not a folder: it may lead out of the cache") in result.stdout.splitlines()
     assert tree_digest(outside) == outside_before and (cache / "sub_moved" / path.name).exists()
+
+
+@pytest.mark.parametrize("container", ["zip", "safetensors", "npz"])
+def test_a_reencode_verifies_the_file_it_wrote_through_the_folder_not_a_path_that_now_leads_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, container: str) -> None:
+    """The folder is swapped for a symlink once the run has opened it: the new entry is written
+    and linked through the folder's descriptor, and read back for verification the same way,
+    never through its path (which now leads outside the cache, to a file the scan's reader
+    never judged)."""
+    from cachedoctor.fixtures.images import write_png
+    from cachedoctor.repair import confined
+    from cachedoctor.repair.encoders import ReferenceEncoder
+    from cachedoctor.repair.plan import Reencode
+    from cachedoctor.repair.reencode import EntryFormat, ReencodeTarget
+
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    (cache / "sub").mkdir(parents=True)
+    (outside / "sub").mkdir(parents=True)
+    image = write_png(tmp_path / "first.png", 256, 256, seed=(0, 5))
+    suffix = {"zip": ".pt", "safetensors": ".safetensors", "npz": ".npz"}[container]
+    entry = cache / "sub" / f"first{suffix}"
+    target = ReencodeTarget(str(image), str(entry),
+                            EntryFormat(container, None if container == "zip" else "latent", "float16", 4))
+    plan = build_plan(scan_paths(cache), [str(cache)], Reencode(ReferenceEncoder(), targets=(target,)))
+    assert len(plan.actions) == 1
+    open_dir = confined.open_dir
+
+    def swapping(root_fd: int, reldir: str, **kwargs) -> int:
+        fd = open_dir(root_fd, reldir, **kwargs)
+        if reldir == "sub" and not (cache / "sub").is_symlink():
+            (cache / "sub").rename(cache / "sub_moved")
+            (cache / "sub").symlink_to(outside / "sub", target_is_directory=True)
+        return fd
+
+    write_new = atomic_module.write_new
+
+    def planting(path, data, *args, **kwargs) -> None:  # a file of the same name outside
+        write_new(path, data, *args, **kwargs)
+        (outside / "sub" / os.path.basename(path)).write_bytes(b"not what the run wrote")
+
+    monkeypatch.setattr(confined, "open_dir", swapping)
+    monkeypatch.setattr(atomic_module, "write_new", planting)
+    result = plan.execute()
+    monkeypatch.undo()
+
+    assert [(o.state, o.message) for o in result.outcomes] == [("done", "")]
+    assert (cache / "sub_moved" / entry.name).exists()
+    assert sorted(p.name for p in (outside / "sub").iterdir()) == [
+        f".cachedoctor-{result.run_id}-1.tmp"]  # the planted file, only read by the old code
