@@ -347,3 +347,21 @@ def test_a_reencode_verifies_the_file_it_wrote_through_the_folder_not_a_path_tha
     assert (cache / "sub_moved" / entry.name).exists()
     assert sorted(p.name for p in (outside / "sub").iterdir()) == [
         f".cachedoctor-{result.run_id}-1.tmp"]  # the planted file, only read by the old code
+
+
+def test_an_io_error_keeping_the_original_is_one_line_naming_the_file_once_and_nothing_is_lost(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    [path] = retained_batch.build(cache, rows=[1], seed=5)
+    before = tree_digest(cache)
+
+    def failing(src, dst, *args, **kwargs):  # the quarantine's second name for the original
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(atomic_module.os, "link", failing)
+    result = invoke("fix", str(cache), "--yes")
+    monkeypatch.undo()
+    assert result.exit_code == 1 and not result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("  failed")]
+    assert line == f"  failed  compact    {path}: Input/output error"
+    assert tree_digest(cache) == before
+    assert not list(cache.rglob(".cachedoctor-*"))
