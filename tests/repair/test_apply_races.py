@@ -365,3 +365,30 @@ def test_an_io_error_keeping_the_original_is_one_line_naming_the_file_once_and_n
     assert line == f"  failed  compact    {path}: Input/output error"
     assert tree_digest(cache) == before
     assert not list(cache.rglob(".cachedoctor-*"))
+
+
+def test_a_file_replaced_while_the_rest_of_the_scan_runs_is_not_planned_on_the_old_verdict(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fix --yes` scans, then plans: a trainer that rewrites a broken entry (write a temp,
+    rename it over) after the scan read it, while the scan reads the other files, leaves a good
+    file where the finding was. The plan must not quarantine it on the old file's verdict."""
+    from cachedoctor import engine
+    from cachedoctor.fixtures import clean, truncated_archive
+
+    [good] = clean.build(cache / "b", n=1)
+    [broken] = truncated_archive.build(cache / "a", seed=1)  # read first: "a" sorts before "b"
+    read_entry = engine.read_entry
+
+    def trainer_writes_meanwhile(entry, *args, **kwargs):
+        if entry.path == str(good):
+            fresh = broken.with_name(".tmp-fresh")
+            fresh.write_bytes(good.read_bytes())
+            os.replace(fresh, broken)
+        return read_entry(entry, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "read_entry", trainer_writes_meanwhile)
+    result = invoke("fix", str(cache), "--yes", "-j", "1")
+    monkeypatch.undo()
+    assert broken.read_bytes() == good.read_bytes()  # the trainer's entry stays in the cache
+    assert ("CD101 1 file: changed since the scan read it: it was replaced by another file; scan "
+            f"again {broken}") in " ".join(result.stdout.split()), result.stdout
