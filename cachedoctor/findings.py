@@ -116,6 +116,9 @@ class Finding:
     dataset: str | None = None
     details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     fix: FixKind | None = None
+    # (size, mtime_ns, inode, device, ctime_ns) of the file as its reader saw it, for a finding
+    # on the file that reader read (FileMeta.stat): a repair acts only on the file the scan judged
+    stat: tuple[int, int, int, int, int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         message = bounded(self.message)
@@ -129,7 +132,7 @@ class Finding:
         return (
             Finding,
             (self.code, self.name, self.severity, self.path, self.message, self.dataset,
-             dict(self.details), self.fix),
+             dict(self.details), self.fix, self.stat),
         )
 
     @property

@@ -360,7 +360,12 @@ def _reencode(step: _Step, encoder: Encoder | None) -> Outcome:
     data, latent, besides = reencode.encode(action.target, encoder, kept)
     temp = os.path.basename(step.paths.temp)
     atomic.write_new(temp, data, dir_fd=folder)
-    reencode.verify(action.target, step.paths.temp, latent, besides)
+    fd = confined.open_file(folder, temp)
+    try:
+        written = confined.read_fd(fd)
+    finally:
+        os.close(fd)
+    reencode.verify(action.target, written, latent, besides)
     step.update(READY, sha_after=atomic.sha256_bytes(data))
     atomic.link_new_at(folder, temp, step.name)
     step.update(DONE)

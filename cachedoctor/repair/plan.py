@@ -181,7 +181,7 @@ def build_plan(report: Report, roots: Iterable[str], reencode: Reencode | None =
                                "still be running (moving it would break its rename); stop it first"))
         else:
             for path in _files_of(finding):
-                why = _why_not(path, roots)
+                why = _why_not(path, roots) or _changed_since_read(finding, path)
                 if why:
                     notes.append(_skip(finding.code, path, why))
                 else:
@@ -222,6 +222,20 @@ def _why_not(path: str, roots: tuple[str, ...]) -> str | None:
         return (f"reached through a symlinked folder: it lives in {folder}, outside the cache; "
                 "run fix there")
     return None
+
+
+def _changed_since_read(finding: Finding, path: str) -> str | None:
+    """Why `path` is no longer the file the scan's reader judged (None when it is, or when the
+    finding does not say what the reader saw). A file replaced or rewritten while the rest of
+    the scan ran (a trainer's atomic write) is another file: never planned on the old verdict."""
+    if finding.stat is None or finding.path != path:
+        return None
+    size, mtime_ns, ino, dev, _ = finding.stat
+    try:
+        why = FileId(dev, ino, size, mtime_ns).differs(os.lstat(path))
+    except FileNotFoundError:
+        why = "is gone"
+    return f"changed since the scan read it: it {why}; scan again" if why else None
 
 
 def _skip(code: str, path: str, why: str) -> Note:

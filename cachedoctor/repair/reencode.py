@@ -13,10 +13,11 @@ stores scaled latents, and written in the trainer's container. Where the format 
 flipped latent (kohya's flip_aug), the cropped pixels mirrored left to right are encoded too.
 Where it keeps keys of the entry it replaces (kohya's other resolutions), they are read from
 that entry, which the run has just moved to the quarantine (`kept_arrays`), and written back
-as they were. The written file is checked with the scan's reader (same container, key, dtype,
-device and shape as asked, nothing unsafe) and loaded with the trainer's own call:
-torch.load(weights_only=True, map_location="cpu") (after gzip.decompress for gzip),
-safetensors.torch.load_file, np.load(allow_pickle=False); the latent must be bit-identical to
+as they were. The written file, read back through its folder's descriptor, is checked with the
+scan's reader (same container, key, dtype, device and shape as asked, nothing unsafe) and those
+same bytes are loaded with the trainer's own call: torch.load(weights_only=True,
+map_location="cpu") (after gzip.decompress for gzip), safetensors.torch's loader,
+np.load(allow_pickle=False); the latent must be bit-identical to
 what was encoded, the flipped latent and kept keys to what was written, and the values and
 metadata beside them as asked.
 """
@@ -171,16 +172,15 @@ def _dumps(value: torch.Tensor, fmt: EntryFormat, besides: Mapping[str, Any]) ->
         return torch_io.dumps(obj, fmt.container)
 
 
-def verify(target: ReencodeTarget, written: str, expected: torch.Tensor,
+def verify(target: ReencodeTarget, data: bytes, expected: torch.Tensor,
            besides: Mapping[str, Any] | None = None) -> None:
-    """Raise EntryMismatch unless the file `written` is the entry asked for, loaded by the
-    trainer's own call, holding `expected` and `besides` (encode's) bit for bit and the asked
-    values beside them."""
+    """Raise EntryMismatch unless `data`, the bytes of the file written (read back through its
+    folder's descriptor: its path may lead elsewhere by now), is the entry asked for, loaded by
+    the trainer's own call, holding `expected` and `besides` (encode's) bit for bit and the
+    asked values beside them. The very bytes the reader judged are the ones loaded."""
     besides = besides or {}
     import torch
 
-    with open(written, "rb") as f:
-        data = f.read()
     fmt = target.format
     meta = read_bytes(data, target.path)
     if meta.errors or meta.unsafe_globals:
@@ -196,7 +196,7 @@ def verify(target: ReencodeTarget, written: str, expected: torch.Tensor,
                             f"{fmt.location}")
     if dict(meta.metadata) != dict(fmt.metadata):
         raise EntryMismatch("its header metadata is not the one asked for")
-    loaded = _trainer_load(fmt, written, data)
+    loaded = _trainer_load(fmt, data)
     value = loaded if fmt.key is None else loaded[fmt.key]
     if not isinstance(value, torch.Tensor):
         value = torch.from_numpy(value)
@@ -238,17 +238,18 @@ def _same(got: Any, want: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
-def _trainer_load(fmt: EntryFormat, path: str, data: bytes) -> Any:
+def _trainer_load(fmt: EntryFormat, data: bytes) -> Any:
+    """The trainer's loading call (safetensors.torch.load_file, np.load, torch.load), on bytes."""
     if fmt.container == "safetensors":
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        return load_file(path)
+        return load(data)
     if fmt.container == "npz":
         import numpy as np
 
-        with np.load(path, allow_pickle=False) as npz:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files}
     import torch
 
-    source: Any = io.BytesIO(gzip.decompress(data)) if fmt.container == torch_io.GZIP else path
-    return torch.load(source, weights_only=True, map_location="cpu")
+    raw = gzip.decompress(data) if fmt.container == torch_io.GZIP else data
+    return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")

@@ -108,8 +108,10 @@ def render_result(result: RunResult, out: TextIO, *, verbose: bool = False, plan
     out.write(f"Run {result.run_id}: {'; '.join(parts)}.\n")
     for outcome in result.outcomes:
         if outcome.state != DONE:
+            # an I/O error on the file itself names it already (`/c/a.pt: No space left on device`)
+            message = outcome.message.removeprefix(f"{outcome.action.path}: ")
             out.write(f"  {outcome.state:<7} {outcome.action.kind:<10} {display_path(outcome.action.path)}: "
-                      f"{printable(outcome.message)}\n")
+                      f"{printable(message)}\n")
     if result.failed:
         out.write("Failed actions were rolled back: those files are as they were.\n")
     freed = measure((o.action.kind, o.action.path, o.action.size) for o in result.outcomes

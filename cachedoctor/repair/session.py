@@ -35,7 +35,7 @@ class Guard:
 
     def recover(self) -> list[str]:
         """Recover again under the held locks (after an interrupted run)."""
-        return [note for notes in _recover(self.roots).values() for note in notes]
+        return [note for notes in _recover(self.roots, self.held).values() for note in notes]
 
 
 @contextlib.contextmanager
@@ -45,7 +45,7 @@ def guarded(roots: Iterable[str], wait: float = 0.0, command: str = "fix") -> It
     to its place, so recover before scanning."""
     roots = tuple(roots)
     with lock.locked(roots, wait, command) as held:
-        yield Guard(roots, held, MappingProxyType(_recover(roots)))
+        yield Guard(roots, held, MappingProxyType(_recover(roots, held)))
 
 
 def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
@@ -54,9 +54,13 @@ def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
         return guard.notes
 
 
-def _recover(roots: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+def _recover(roots: tuple[str, ...], held: lock.Held) -> dict[str, tuple[str, ...]]:
     out = {}
     for root in roots:
+        # a run that keeps its locks in another state dir (another user, another machine on a
+        # shared cache) holds `.cachedoctor/lock`, which may have appeared since ours were
+        # taken: a run the journal says is `running` is dead only once that lock is ours too
+        held.hold_in_cache(root)
         journal = Journal.existing(root)
         if journal is not None:
             with journal:

@@ -298,3 +298,97 @@ def test_the_cli_reports_each_file_changed_after_its_plan_was_shown(
     assert (f"  skipped quarantine {path}: a folder on its path changed since the plan: sub/ is now "
             "a symlink or not a folder: it may lead out of the cache") in result.stdout.splitlines()
     assert tree_digest(outside) == outside_before and (cache / "sub_moved" / path.name).exists()
+
+
+@pytest.mark.parametrize("container", ["zip", "safetensors", "npz"])
+def test_a_reencode_verifies_the_file_it_wrote_through_the_folder_not_a_path_that_now_leads_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, container: str) -> None:
+    """The folder is swapped for a symlink once the run has opened it: the new entry is written
+    and linked through the folder's descriptor, and read back for verification the same way,
+    never through its path (which now leads outside the cache, to a file the scan's reader
+    never judged)."""
+    from cachedoctor.fixtures.images import write_png
+    from cachedoctor.repair import confined
+    from cachedoctor.repair.encoders import ReferenceEncoder
+    from cachedoctor.repair.plan import Reencode
+    from cachedoctor.repair.reencode import EntryFormat, ReencodeTarget
+
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    (cache / "sub").mkdir(parents=True)
+    (outside / "sub").mkdir(parents=True)
+    image = write_png(tmp_path / "first.png", 256, 256, seed=(0, 5))
+    suffix = {"zip": ".pt", "safetensors": ".safetensors", "npz": ".npz"}[container]
+    entry = cache / "sub" / f"first{suffix}"
+    target = ReencodeTarget(str(image), str(entry),
+                            EntryFormat(container, None if container == "zip" else "latent", "float16", 4))
+    plan = build_plan(scan_paths(cache), [str(cache)], Reencode(ReferenceEncoder(), targets=(target,)))
+    assert len(plan.actions) == 1
+    open_dir = confined.open_dir
+
+    def swapping(root_fd: int, reldir: str, **kwargs) -> int:
+        fd = open_dir(root_fd, reldir, **kwargs)
+        if reldir == "sub" and not (cache / "sub").is_symlink():
+            (cache / "sub").rename(cache / "sub_moved")
+            (cache / "sub").symlink_to(outside / "sub", target_is_directory=True)
+        return fd
+
+    write_new = atomic_module.write_new
+
+    def planting(path, data, *args, **kwargs) -> None:  # a file of the same name outside
+        write_new(path, data, *args, **kwargs)
+        (outside / "sub" / os.path.basename(path)).write_bytes(b"not what the run wrote")
+
+    monkeypatch.setattr(confined, "open_dir", swapping)
+    monkeypatch.setattr(atomic_module, "write_new", planting)
+    result = plan.execute()
+    monkeypatch.undo()
+
+    assert [(o.state, o.message) for o in result.outcomes] == [("done", "")]
+    assert (cache / "sub_moved" / entry.name).exists()
+    assert sorted(p.name for p in (outside / "sub").iterdir()) == [
+        f".cachedoctor-{result.run_id}-1.tmp"]  # the planted file, only read by the old code
+
+
+def test_an_io_error_keeping_the_original_is_one_line_naming_the_file_once_and_nothing_is_lost(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    [path] = retained_batch.build(cache, rows=[1], seed=5)
+    before = tree_digest(cache)
+
+    def failing(src, dst, *args, **kwargs):  # the quarantine's second name for the original
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(atomic_module.os, "link", failing)
+    result = invoke("fix", str(cache), "--yes")
+    monkeypatch.undo()
+    assert result.exit_code == 1 and not result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("  failed")]
+    assert line == f"  failed  compact    {path}: Input/output error"
+    assert tree_digest(cache) == before
+    assert not list(cache.rglob(".cachedoctor-*"))
+
+
+def test_a_file_replaced_while_the_rest_of_the_scan_runs_is_not_planned_on_the_old_verdict(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fix --yes` scans, then plans: a trainer that rewrites a broken entry (write a temp,
+    rename it over) after the scan read it, while the scan reads the other files, leaves a good
+    file where the finding was. The plan must not quarantine it on the old file's verdict."""
+    from cachedoctor import engine
+    from cachedoctor.fixtures import clean, truncated_archive
+
+    [good] = clean.build(cache / "b", n=1)
+    [broken] = truncated_archive.build(cache / "a", seed=1)  # read first: "a" sorts before "b"
+    read_entry = engine.read_entry
+
+    def trainer_writes_meanwhile(entry, *args, **kwargs):
+        if entry.path == str(good):
+            fresh = broken.with_name(".tmp-fresh")
+            fresh.write_bytes(good.read_bytes())
+            os.replace(fresh, broken)
+        return read_entry(entry, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "read_entry", trainer_writes_meanwhile)
+    result = invoke("fix", str(cache), "--yes", "-j", "1")
+    monkeypatch.undo()
+    assert broken.read_bytes() == good.read_bytes()  # the trainer's entry stays in the cache
+    assert ("CD101 1 file: changed since the scan read it: it was replaced by another file; scan "
+            f"again {broken}") in " ".join(result.stdout.split()), result.stdout

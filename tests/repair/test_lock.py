@@ -163,3 +163,51 @@ def test_fix_with_nothing_to_do_or_then_undo_leaves_no_folder_it_made(cache: Pat
     # what stays is the journal (the record `fix --list-runs` shows) and its lock file
     assert sorted(os.listdir(cache / ".cachedoctor")) == ["journal.sqlite", "lock"]
     assert sorted(os.listdir(cache)) == [".cachedoctor", "deep"]
+
+
+def test_a_run_that_starts_on_a_fresh_cache_is_never_recovered_by_a_fix_of_another_state_dir(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two fixes that keep their locks in different state dirs (two users, two machines sharing
+    the cache) meet only at `<cache>/.cachedoctor/lock`. The second took its state-dir lock
+    while the cache had no `.cachedoctor/` yet; by the time it looks for interrupted runs, the
+    first has begun its run there. Recovery must take the in-cache lock first (and find it
+    busy), never roll back a run that is alive."""
+    from cachedoctor.fixtures import retained_batch
+    from cachedoctor.repair import lock
+    from cachedoctor.repair.journal import DONE, Journal
+    from cachedoctor.repair.session import guarded
+
+    retained_batch.build(cache, rows=[1], seed=3)
+    before = tree_digest(cache)
+    env = {**os.environ, "CACHEDOCTOR_STATE_DIR": str(tmp_path / "other-state")}
+    acquire = lock._acquire
+    first: list[subprocess.Popen] = []
+
+    def then_the_other_run_begins(root: str, deadline: float, command: str) -> list[int]:
+        fds = acquire(root, deadline, command)  # no .cachedoctor/ yet: no in-cache lock
+        proc = subprocess.Popen([sys.executable, "-m", "cachedoctor", "fix", "--yes", "-j", "1",
+                                 str(cache)], stdout=subprocess.PIPE, text=True, env=env)
+        first.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("Applying run"):
+                break
+        proc.send_signal(signal.SIGSTOP)  # its run is journaled and under way
+        return fds
+
+    monkeypatch.setattr(lock, "_acquire", then_the_other_run_begins)
+    try:
+        with pytest.raises(LockBusy), guarded([str(cache)]):
+            pass
+    finally:
+        monkeypatch.undo()
+        for proc in first:
+            proc.send_signal(signal.SIGCONT)
+            proc.communicate(timeout=120)
+    [proc] = first
+    assert proc.returncode == 0
+    with Journal.open(str(cache)) as journal:
+        [run] = journal.runs()
+        assert run.state == DONE and {a.state for a in journal.actions(run.run_id)} == {DONE}
+    assert run_cli("undo", "--cache", str(cache), env=env).returncode == 0
+    assert tree_digest(cache) == before
