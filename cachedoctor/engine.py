@@ -225,7 +225,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
                 findings.extend(_run(own, meta, entry, deep, settings, dataset))
         else:
             findings.extend(_run(checks, meta, entry, deep, settings, dataset))
-        if meta.stat is not None and not crashed:  # what a repair of this file checks it against
+        if len(findings) > found_before and meta.stat is not None and not crashed:
+            # the stat the reader took: what a repair of this file checks it against
             findings[found_before:] = [dataclasses.replace(f, stat=meta.stat) if f.path == entry.path
                                        else f for f in findings[found_before:]]
         try:

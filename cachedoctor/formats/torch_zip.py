@@ -55,7 +55,7 @@ from cachedoctor.formats.zipdir import (
 # Files of one cache mostly share their data.pkl byte for byte (same structure, shape, dtype),
 # so its analysis is kept per worker, keyed by the bytes and the stored record sizes.
 MEMO_PICKLE_BYTES = 64 * 1024
-# Every record a read looks at besides the storages (byteorder only with --deep).
+# Every record a read looks at besides the storages.
 READ_RECORDS = frozenset({"data.pkl", "version", ".data/version", "byteorder"})
 
 
@@ -325,6 +325,7 @@ class _Reader:
             errors.append(f"the archive has no {prefix}data.pkl, which holds the saved object "
                           "(torch.load: failed locating file data.pkl)")
         self._check_version(records, prefix)
+        self._check_byteorder(records, prefix)
         if pkl is None:
             return self._meta()
         pickles = [pkl, *(e for first_reading, e in twins if first_reading is pkl)]
@@ -380,6 +381,18 @@ class _Reader:
         if not text.isdigit() or int(text) < 1:
             shown = clip(text.decode("ascii", "replace"))
             self.errors.append(f"the version record holds '{shown}', not a format version")
+
+    def _check_byteorder(self, records: dict[str, ZipEntry], prefix: str) -> None:
+        """torch.load reads the byteorder record (torch >= 2.1 writes one) and takes exactly
+        `little` or `big`, nothing else: not even with a newline."""
+        record = records.get("byteorder")
+        if record is None:
+            return
+        data = read_entry(self.src, record, 16)
+        if data not in (b"little", b"big"):
+            shown = clip(data.decode("ascii", "replace"))
+            self.errors.append(f"the {prefix}byteorder record holds '{shown}', neither 'little' "
+                               "nor 'big' (torch.load: Unknown endianness type)")
 
     def _unpickle(self, pkl: ZipEntry, stored: dict[str, int]) -> _Parsed | None:
         if pkl.size > MAX_PICKLE_BYTES:
