@@ -57,3 +57,24 @@ def test_images_nested_in_a_bare_cache_are_still_strays(tmp_path: Path) -> None:
     (photos / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
     assert [f.path for f in by_code(scan_paths(tmp_path / "cache"), "CD107")] == [
         str(photos / "a.png")]
+
+
+def test_a_kohya_image_dir_of_two_architectures_below_the_folder_scanned(tmp_path: Path) -> None:
+    # train/5_style holds `_sdxl.npz` (4 channels) beside `_flux.npz` (16) of the same images:
+    # scanned from the disk above the project, as from train/ itself, each family is its own
+    tree = corpus.build("kohya", tmp_path / "disk" / "kohya")
+    assert scan_paths(tree.root).findings == ()
+    assert scan_paths(tmp_path / "disk").findings == ()
+    planted = corpus.build("kohya", tmp_path / "bad" / "kohya", plant=("train", "CD303"))
+    assert [f.path for f in by_code(scan_paths(tmp_path / "bad"), "CD303")] == [
+        str(planted.planted[1])]
+
+
+def test_a_musubi_media_dir_below_the_folder_scanned_keeps_its_images(tmp_path: Path) -> None:
+    # musubi's kontext/ holds its latents beside its images (no cache_directory): scanned from
+    # the disk above the project, its images are no strays (CD107), as when it is scanned alone
+    from cachedoctor.fixtures.projects import musubi
+
+    project = musubi.build(tmp_path / "disk" / "musubi")
+    assert scan_paths(project.root / "kontext").findings == ()
+    assert scan_paths(tmp_path / "disk").findings == ()

@@ -185,10 +185,12 @@ class BareNaming(Naming):
 
 @functools.lru_cache(maxsize=256)
 def _beside_images(path: str, _mtime_ns: int) -> bool:
-    """Whether `path`, a folder deep in a bare tree, is a kohya image dir or an ai-toolkit image
-    folder (as `layout` tells for the folder scanned). Per worker, once per folder as it is
-    (the mtime in the key): a big folder's batches would each list it again."""
-    return _kohya_image_dir(path) or os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
+    """Whether `path`, a folder deep in a bare tree, is a kohya image dir, a musubi-tuner media
+    dir or an ai-toolkit image folder (as `layout` tells for the folder scanned). Per worker,
+    once per folder as it is (the mtime in the key): a big folder's batches would each list it
+    again."""
+    return _kohya_image_dir(path) or musubi.media_dir(path) or \
+        os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
 
 
 def _project_images(path: str, root: str) -> bool:
@@ -256,11 +258,16 @@ class _Directory(DirectoryNaming):
             family = musubi.header_family(name, meta)
             if family is not None:  # musubi's buckets need the dataset's settings
                 return CacheFacts(family=family)
+        if name.endswith(".npz"):
+            # kohya's `_<arch>.npz`: its family in any folder (`_sdxl.npz` beside `_flux.npz`,
+            # as scanning the image dir itself compares them), no bucket (see the docstring)
+            match = kohya.LATENT_NAME.match(name)
+            if match:
+                return CacheFacts(family=match["arch"])
         if self.bucket is None:
             return NO_FACTS
         if name.endswith(".npz"):
-            match = kohya.LATENT_NAME.match(name)
-            return CacheFacts(family=match["arch"]) if match else self.folder
+            return self.folder
         if len(name) == 67 and SHA256_PT.match(name):
             return NO_FACTS
         return self.folder
