@@ -1,8 +1,8 @@
 """Walk the targets and name each file's role, by its name and place only (no content read).
 
 The walk is iterative, follows directory symlinks once (a loop back to a directory already
-seen is reported, not followed), skips `.cachedoctor/` (our own journal and quarantine) and
-turns every I/O failure into an Entry carrying the error instead of raising.
+seen is reported, not followed), skips `.cachedoctor/` (our own journal and quarantine) and the
+files a file browser leaves in every folder (FILE_BROWSER_FILES), and turns every I/O failure into an Entry carrying the error instead of raising.
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ TEXT_PATTERN = re.compile(
     r"|.+_[a-z0-9]+_te\.safetensors)$"
 )
 TEXT_DIRS = frozenset({"_t_e_cache", "text"})
+# what a file browser writes into any folder it shows, caches included: Finder's .DS_Store (and
+# AppleDouble `._<name>` beside every file on a volume without extended attributes: exFAT, SMB),
+# Explorer's Thumbs.db and desktop.ini, Dolphin's .directory. No trainer reads them (each lists
+# its own names or extensions, and kohya's glob skips dotfiles): not files of the cache at all.
+FILE_BROWSER_FILES = frozenset({".DS_Store", "Thumbs.db", "ehthumbs.db", "desktop.ini",
+                                ".directory", "Icon\r"})
+
+
+def file_browser_file(name: str) -> bool:
+    return name in FILE_BROWSER_FILES or name.startswith("._")
 
 
 class Entry(NamedTuple):
@@ -190,6 +200,8 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     errors.append((child.path, describe_os_error(exc)))
                     continue
                 if is_file:
+                    if file_browser_file(child.name):
+                        continue
                     if mine is None or mine(child.name):
                         name = child.name
                         names.append(name)

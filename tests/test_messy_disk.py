@@ -78,3 +78,41 @@ def test_a_musubi_media_dir_below_the_folder_scanned_keeps_its_images(tmp_path: 
     project = musubi.build(tmp_path / "disk" / "musubi")
     assert scan_paths(project.root / "kontext").findings == ()
     assert scan_paths(tmp_path / "disk").findings == ()
+
+
+def test_file_browser_files_in_a_cache_are_no_files_of_it(tmp_path: Path) -> None:
+    # Finder, Explorer and Dolphin write these into any folder they show; macOS writes an
+    # AppleDouble `._<name>` beside every file copied to exFAT or an SMB share
+    cache = tmp_path / "latents"
+    device_tagged.build(cache, "cpu", name="0000")
+    (cache / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(64))
+    (cache / "Thumbs.db").write_bytes(bytes.fromhex("d0cf11e0a1b11ae1") + bytes(64))
+    (cache / "desktop.ini").write_text("[.ShellClassInfo]\r\nIconResource=x.ico,0\r\n")
+    (cache / ".directory").write_text("[Desktop Entry]\nIcon=folder\n")
+    for made in list(cache.iterdir()):
+        (cache / f"._{made.name}").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X  ")
+    assert scan_paths(cache).findings == ()
+    (cache / "caption.txt").write_text("a photo\n")  # a truly foreign file still is one
+    assert [f.path for f in scan_paths(cache).findings] == [str(cache / "caption.txt")]
+
+
+def test_a_folder_of_projects_keeps_its_own_files(tmp_path: Path) -> None:
+    # the folder scanned holds no cache file: its README and logs are a project's, not strays
+    corpus.build("bucketed", tmp_path / "cache-a")
+    (tmp_path / "README.md").write_text("# my training runs\n")
+    (tmp_path / "train.log").write_text("step 1 loss 0.1\n")
+    assert scan_paths(tmp_path).findings == ()
+
+
+def test_a_folder_named_like_a_cache_file_is_none(tmp_path: Path) -> None:
+    # every Windows drive holds `$RECYCLE.BIN/`: a folder, not a `.bin` cache file, so the
+    # projects' images and notes on that drive are no strays of a cache
+    drive = tmp_path / "drive"
+    (drive / "$RECYCLE.BIN").mkdir(parents=True)
+    (drive / "System Volume Information").mkdir()
+    (drive / "System Volume Information" / "IndexerVolumeGuid").write_bytes(b"{\x00x\x00}")
+    corpus.build("bucketed", drive / "caches")
+    photos = drive / "photos"
+    photos.mkdir()
+    (photos / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
+    assert scan_paths(drive).findings == ()

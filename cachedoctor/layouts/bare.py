@@ -194,10 +194,10 @@ def _beside_images(path: str, _mtime_ns: int) -> bool:
 
 
 def _project_images(path: str, root: str) -> bool:
-    """Whether `path`, below the bare tree scanned at `root`, is a project's image folder: no
-    cache file in it nor in a folder above it up to `root` (a scan of a folder of projects;
-    images nested in a cache are still strays)."""
-    if not root or not path.startswith(root + os.sep):
+    """Whether `path`, the bare tree scanned at `root` or a folder below it, is a project's
+    folder: no cache file in it nor in a folder above it up to `root` (a scan of a folder of
+    projects, whose own README or notes are no strays; images nested in a cache are)."""
+    if not root or not (path == root or path.startswith(root + os.sep)):
         return False
     folder = path
     while len(folder) >= len(root):
@@ -213,10 +213,12 @@ def _project_images(path: str, root: str) -> bool:
 @functools.lru_cache(maxsize=256)
 def _holds_cache_files(path: str, _mtime_ns: int) -> bool:
     """Whether `path` (as it is at that mtime) holds a cache file; stops at the first (a cache
-    folder's first names answer), where names() keeps no `.pt` of a million-file listing."""
+    folder's first names answer), where names() keeps no `.pt` of a million-file listing. A
+    folder named like one (`$RECYCLE.BIN` at the top of every Windows drive) is none."""
     try:
         with os.scandir(path) as listing:
-            return any(classify(entry.name) in (LATENT, TEXT) for entry in listing)
+            return any(classify(entry.name) in (LATENT, TEXT) and entry.is_file()
+                       for entry in listing)
     except OSError:
         return False
 
