@@ -116,3 +116,47 @@ def test_a_folder_named_like_a_cache_file_is_none(tmp_path: Path) -> None:
     photos.mkdir()
     (photos / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
     assert scan_paths(drive).findings == ()
+
+
+def _lora(path: Path, rank: int = 4) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"lora_unet_in.lora_down.weight": torch.ones(rank, 320, dtype=torch.float16),
+               "lora_unet_in.lora_up.weight": torch.ones(320, rank, dtype=torch.float16)},
+              str(path), {"ss_network_module": "networks.lora"})
+
+
+def test_trainer_outputs_beside_caches_are_no_caches(tmp_path: Path) -> None:
+    # a project folder scanned bare: besides its caches, the trainers' outputs, each holding
+    # weights (cache-looking files) beside its model card, state files and sample images
+    import torch
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(32)
+    corpus.build("bucketed", tmp_path / "cache")
+    aitk = tmp_path / "output" / "my_lora"  # ai-toolkit: save_root
+    (aitk / "samples").mkdir(parents=True)
+    _lora(aitk / "my_lora.safetensors")
+    _lora(aitk / "my_lora_000000250.safetensors")
+    torch.save({"state": {}, "param_groups": []}, aitk / "optimizer.pt")
+    (aitk / "config.yaml").write_text("job: extension\n")
+    (aitk / "samples" / "1700000000000__000000250_0.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(32))
+    st = tmp_path / "simpletuner-output"  # SimpleTuner / diffusers scripts: output_dir
+    (st / "checkpoint-500").mkdir(parents=True)
+    _lora(st / "pytorch_lora_weights.safetensors")
+    (st / "README.md").write_text("---\nlicense: other\n---\n# a LoRA\n")
+    (st / "image_0.png").write_bytes(png)
+    _lora(st / "checkpoint-500" / "pytorch_lora_weights.safetensors")
+    torch.save({"state": {}, "param_groups": []}, st / "checkpoint-500" / "optimizer.bin")
+    torch.save({"step": 500}, st / "checkpoint-500" / "random_states_0.pkl")
+    (st / "checkpoint-500" / "training_state.json").write_text('{"global_step": 500}')
+    kohya_out = tmp_path / "kohya-output"  # sd-scripts: output_dir, --save_state
+    (kohya_out / "sample").mkdir(parents=True)
+    (kohya_out / "style-state").mkdir()
+    _lora(kohya_out / "style.safetensors")
+    _lora(kohya_out / "style-000001.safetensors", rank=8)
+    (kohya_out / "sample" / "style_000100_00_20240101000000.png").write_bytes(png)
+    torch.save({"state": {}}, kohya_out / "style-state" / "optimizer.bin")
+    torch.save({"step": 100}, kohya_out / "style-state" / "random_states_0.pkl")
+    (kohya_out / "style-state" / "train_state.json").write_text('{"current_step": 100}')
+    assert scan_paths(tmp_path).findings == ()

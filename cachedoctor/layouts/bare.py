@@ -193,21 +193,42 @@ def _beside_images(path: str, _mtime_ns: int) -> bool:
         os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
 
 
+# What a trainer saves beside its weights (accelerate's save_state, used by SimpleTuner, kohya's
+# --save_state, musubi-tuner and the diffusers scripts: `optimizer.bin`, `random_states_<rank>.pkl`,
+# accelerate/utils/constants.py; ai-toolkit: `optimizer.pt` in its save_root; the diffusers
+# scripts and SimpleTuner: `pytorch_lora_weights.safetensors`): a folder holding one is a
+# training output (weights, model card, training_state.json), not a cache
+TRAINER_OUTPUT = ("optimizer.bin", "optimizer.pt", "random_states_0.pkl",
+                  "pytorch_lora_weights.safetensors")
+# where trainers save their sample images: kohya sd-scripts and musubi-tuner `<output_dir>/sample`,
+# ai-toolkit and OneTrainer `samples`, the diffusers scripts `<output_dir>/validation_images`
+SAMPLE_DIRS = frozenset({"sample", "samples", "validation_images"})
+
+
 def _project_images(path: str, root: str) -> bool:
     """Whether `path`, the bare tree scanned at `root` or a folder below it, is a project's
     folder: no cache file in it nor in a folder above it up to `root` (a scan of a folder of
-    projects, whose own README or notes are no strays; images nested in a cache are)."""
+    projects, whose own README or notes are no strays; images nested in a cache are), or a
+    trainer's output (its weights folder, its sample images)."""
     if not root or not (path == root or path.startswith(root + os.sep)):
         return False
     folder = path
     while len(folder) >= len(root):
         try:
+            if _trainer_output(folder):
+                return True
             if _holds_cache_files(folder, os.stat(folder).st_mtime_ns):
                 return False
         except OSError:
             return False
+        if os.path.basename(folder) in SAMPLE_DIRS:
+            return True
         folder = os.path.dirname(folder)
     return True
+
+
+def _trainer_output(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in TRAINER_OUTPUT)
 
 
 @functools.lru_cache(maxsize=256)
