@@ -160,3 +160,30 @@ def test_trainer_outputs_beside_caches_are_no_caches(tmp_path: Path) -> None:
     torch.save({"step": 100}, kohya_out / "style-state" / "random_states_0.pkl")
     (kohya_out / "style-state" / "train_state.json").write_text('{"current_step": 100}')
     assert scan_paths(tmp_path).findings == ()
+
+
+def test_one_musubi_dataset_cached_for_two_models_is_no_mix(tmp_path: Path) -> None:
+    # one dataset config cached for Qwen-Image and then for FLUX Kontext: musubi-tuner's
+    # suffixes keep both in one cache_directory, each loader globbing `*_<arch>.safetensors`
+    import re
+
+    from cachedoctor.fixtures.projects import age_all, encode, musubi
+
+    project = musubi.build(tmp_path / "disk" / "musubi")
+    shared = project.root / "cache" / "qwen"
+    for latent in sorted(shared.glob("*_qi.safetensors")):
+        stem, width, height = re.match(r"(.+)_(\d{4})x(\d{4})_qi", latent.name).groups()
+        image = project.root / "images" / f"{stem}.png"
+        tensor = encode(image, int(width), int(height), 0, channels=16, dtype="bfloat16")
+        _, h, w = tensor.shape
+        musubi.save_latents(shared / musubi.latent_name(stem, int(width), int(height), "fk"),
+                            {f"latents_1x{h}x{w}_bfloat16": tensor,
+                             f"latents_control_1x{h}x{w}_bfloat16": tensor.flip(-1).contiguous()},
+                            "flux_kontext", int(width), int(height))
+        musubi.save_text(shared / f"{stem}_fk_te.safetensors",
+                         {"t5_vec_bfloat16": musubi.embed(0, 9, 64),
+                          "clip_l_pooler_bfloat16": musubi.embed(0, 1, 32)[0]},
+                         "flux_kontext", image.with_suffix(".txt").read_text().strip())
+    age_all(project.root)
+    for target in (shared, project.root / "cache", tmp_path / "disk", project.config):
+        assert scan_paths(target).findings == (), target
