@@ -34,9 +34,12 @@ CACHE_EXTENSIONS = frozenset(
      ".parquet"}
 )
 # atomicwrites' NamedTemporaryFile (tmp + 8 of [a-z0-9_]); SimpleTuner's Nov-Dec 2024
-# `.<name>.tmp`; `*.pt.tmp`; and lock files left by writers that died holding them.
+# `.<name>.tmp`; `*.pt.tmp`; rsync's `.<name>.XXXXXX` (its mkstemp name for a file being
+# received, left by an rsync killed mid-copy); and lock files left by writers that died
+# holding them.
 TEMP_PATTERN = re.compile(
-    r"^(tmp[a-z0-9_]{8}|\..+\.tmp|.+\.(pt|pth|npz|safetensors)\.tmp|.+\.lock|.+\.partial)$"
+    r"^(tmp[a-z0-9_]{8}|\..+\.tmp|.+\.(pt|pth|npz|safetensors)\.tmp|.+\.lock|.+\.partial"
+    r"|\..+\.(pt|pth|npz|npy|safetensors|arrow|bin)\.[A-Za-z0-9]{6})$"
 )
 METADATA_PATTERN = re.compile(
     r"^(aspect_ratio_bucket_(indices|metadata)_.+\.json|aggregate\.pt|\.aitk_size\.json"

@@ -187,3 +187,13 @@ def test_one_musubi_dataset_cached_for_two_models_is_no_mix(tmp_path: Path) -> N
     age_all(project.root)
     for target in (shared, project.root / "cache", tmp_path / "disk", project.config):
         assert scan_paths(target).findings == (), target
+
+
+def test_a_killed_rsync_s_temp_file_is_a_leftover_not_a_broken_entry(tmp_path: Path) -> None:
+    # rsync receives into `.<name>.XXXXXX` and renames it when whole: killed mid-copy, the
+    # temp stays, cut short. The trainer never reads it: a leftover (CD104), not CD101
+    cache = tmp_path / "latents"
+    (made,) = device_tagged.build(cache, "cpu", name="0000")
+    partial = cache / f".{made.name}.Xy12Ab"
+    partial.write_bytes(made.read_bytes()[:300])
+    assert [(f.code, f.path) for f in scan_paths(cache).findings] == [("CD104", str(partial))]
