@@ -1,8 +1,10 @@
 """Walk the targets and name each file's role, by its name and place only (no content read).
 
-The walk is iterative, follows directory symlinks once (a loop back to a directory already
-seen is reported, not followed), skips `.cachedoctor/` (our own journal and quarantine) and the
-files a file browser leaves in every folder (FILE_BROWSER_FILES), and turns every I/O failure into an Entry carrying the error instead of raising.
+The walk is iterative, follows directory symlinks once (a loop back to a folder above the link
+is reported, not followed; a second name of a folder already walked is skipped), skips
+`.cachedoctor/` (our own journal and quarantine) and the files a file browser leaves in every
+folder (FILE_BROWSER_FILES), and turns every I/O failure into an Entry carrying the error
+instead of raising.
 """
 
 from __future__ import annotations
@@ -225,7 +227,10 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     if key in prune:
                         continue
                     if key in seen:
-                        if child.is_symlink():
+                        # a link to a folder above it loops; one to a folder elsewhere in the
+                        # tree (a dataset linked into a project) is another name for files
+                        # scanned under their first name
+                        if child.is_symlink() and _holds(child.path, os.path.realpath(directory)):
                             errors.append((child.path, "symlink loop: points back to a "
                                                        "directory already scanned"))
                         continue

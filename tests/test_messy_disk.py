@@ -197,3 +197,15 @@ def test_a_killed_rsync_s_temp_file_is_a_leftover_not_a_broken_entry(tmp_path: P
     partial = cache / f".{made.name}.Xy12Ab"
     partial.write_bytes(made.read_bytes()[:300])
     assert [(f.code, f.path) for f in scan_paths(cache).findings] == [("CD104", str(partial))]
+
+
+def test_a_dataset_linked_into_a_project_is_no_loop(tmp_path: Path) -> None:
+    # the same cache under a second name (a symlink beside it, or linked into a project) is
+    # walked once, silently; a link to a folder above it still loops (CD001)
+    corpus.build("bucketed", tmp_path / "cache")
+    (tmp_path / "cache-link").symlink_to("cache")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "latents").symlink_to(tmp_path / "cache" / "latents")
+    assert scan_paths(tmp_path).findings == ()
+    (tmp_path / "cache" / "text" / "up").symlink_to(tmp_path / "cache")
+    assert [f.code for f in scan_paths(tmp_path).findings] == ["CD001"]
