@@ -1,8 +1,10 @@
 """Walk the targets and name each file's role, by its name and place only (no content read).
 
-The walk is iterative, follows directory symlinks once (a loop back to a directory already
-seen is reported, not followed), skips `.cachedoctor/` (our own journal and quarantine) and
-turns every I/O failure into an Entry carrying the error instead of raising.
+The walk is iterative, follows directory symlinks once (a loop back to a folder above the link
+is reported, not followed; a second name of a folder already walked is skipped), skips
+`.cachedoctor/` (our own journal and quarantine) and the files a file browser leaves in every
+folder (FILE_BROWSER_FILES), and turns every I/O failure into an Entry carrying the error
+instead of raising.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ CACHE_EXTENSIONS = frozenset(
      ".parquet"}
 )
 # atomicwrites' NamedTemporaryFile (tmp + 8 of [a-z0-9_]); SimpleTuner's Nov-Dec 2024
-# `.<name>.tmp`; `*.pt.tmp`; and lock files left by writers that died holding them.
+# `.<name>.tmp`; `*.pt.tmp`; rsync's `.<name>.XXXXXX` (its mkstemp name for a file being
+# received, left by an rsync killed mid-copy); and lock files left by writers that died
+# holding them.
 TEMP_PATTERN = re.compile(
-    r"^(tmp[a-z0-9_]{8}|\..+\.tmp|.+\.(pt|pth|npz|safetensors)\.tmp|.+\.lock|.+\.partial)$"
+    r"^(tmp[a-z0-9_]{8}|\..+\.tmp|.+\.(pt|pth|npz|safetensors)\.tmp|.+\.lock|.+\.partial"
+    r"|\..+\.(pt|pth|npz|npy|safetensors|arrow|bin)\.[A-Za-z0-9]{6})$"
 )
 METADATA_PATTERN = re.compile(
     r"^(aspect_ratio_bucket_(indices|metadata)_.+\.json|aggregate\.pt|\.aitk_size\.json"
@@ -51,6 +56,16 @@ TEXT_PATTERN = re.compile(
     r"|.+_[a-z0-9]+_te\.safetensors)$"
 )
 TEXT_DIRS = frozenset({"_t_e_cache", "text"})
+# what a file browser writes into any folder it shows, caches included: Finder's .DS_Store (and
+# AppleDouble `._<name>` beside every file on a volume without extended attributes: exFAT, SMB),
+# Explorer's Thumbs.db and desktop.ini, Dolphin's .directory. No trainer reads them (each lists
+# its own names or extensions, and kohya's glob skips dotfiles): not files of the cache at all.
+FILE_BROWSER_FILES = frozenset({".DS_Store", "Thumbs.db", "ehthumbs.db", "desktop.ini",
+                                ".directory", "Icon\r"})
+
+
+def file_browser_file(name: str) -> bool:
+    return name in FILE_BROWSER_FILES or name.startswith("._")
 
 
 class Entry(NamedTuple):
@@ -190,6 +205,8 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     errors.append((child.path, describe_os_error(exc)))
                     continue
                 if is_file:
+                    if file_browser_file(child.name):
+                        continue
                     if mine is None or mine(child.name):
                         name = child.name
                         names.append(name)
@@ -210,7 +227,10 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     if key in prune:
                         continue
                     if key in seen:
-                        if child.is_symlink():
+                        # a link to a folder above it loops; one to a folder elsewhere in the
+                        # tree (a dataset linked into a project) is another name for files
+                        # scanned under their first name
+                        if child.is_symlink() and _holds(child.path, os.path.realpath(directory)):
                             errors.append((child.path, "symlink loop: points back to a "
                                                        "directory already scanned"))
                         continue

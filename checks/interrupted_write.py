@@ -1,10 +1,11 @@
 """## What it does
 Reports what an interrupted write leaves in a cache dir: temp files of atomic writes that never
 reached their rename (atomicwrites' `tmpXXXXXXXX`, SimpleTuner's late-2024 `.<name>.tmp`,
-`*.pt.tmp`, `*.partial`) and lock files older than `stale-lock-seconds` (default one hour)
-that hold something (a pid-file lock's pid). An empty lock file is what `filelock` (🤗 datasets
-and hub, and the trainers that use them) leaves after every release: its `flock` dies with its
-holder, so it blocks nobody and is not reported.
+`*.pt.tmp`, `*.partial`, rsync's `.<name>.XXXXXX` of a copy killed mid-file) and lock files
+older than `stale-lock-seconds` (default one hour) that hold something (a pid-file lock's
+pid). An empty lock file is what `filelock` (🤗 datasets and hub, and the trainers that use
+them) leaves after every release: its `flock` dies with its holder, so it blocks nobody and is
+not reported.
 
 ## Why is this bad?
 Each one is a write that died: the final file it was meant to replace is missing or older than

@@ -3,17 +3,18 @@ Reports cache files of another architecture in a cache directory that holds most
 FLUX Kontext latent (`…_fk.safetensors`) among Qwen-Image ones (`…_qi.safetensors`). The
 architecture is the one the file name says (musubi-tuner's `<stem>_<W>x<H>_<arch>` and
 `<stem>_<arch>_te` safetensors); caches of several architectures in separate directories are
-fine. kohya's npz are not judged: kohya keeps every model's cache beside the images by design
-(`<stem>_<W>x<H>_sdxl.npz` next to `_flux.npz`), and reads only its own architecture's.
+fine, and so is a directory where no architecture holds a clear majority (2/3 of its files):
+one dataset config cached for two models, which musubi-tuner's architecture suffixes allow
+(each model's loader, and its caching pass's clean-up, globs `*_<arch>.safetensors` only:
+dataset/image_video_dataset.py `get_all_latent_cache_files`). kohya's npz are not judged:
+kohya keeps every model's cache beside the images by design (`<stem>_<W>x<H>_sdxl.npz` next to
+`_flux.npz`), and reads only its own architecture's.
 
 ## Why is this bad?
-One cache directory is one dataset's cache for one model. Two caching passes for different
-models pointed at the same `cache_directory` leave two sets of latents and text-encoder
-outputs side by side. Each trainer globs only its own architecture, so the other set is dead
-weight. But the next caching pass of either (without `--keep_cache`) treats the directory as
-its own, and a dataset config copied from one model to the other silently reuses the wrong
-set's captions and buckets. Usually the dataset config of one of the runs points at the wrong
-directory.
+A few files of another architecture among one's were written by a caching pass of another
+model whose dataset config points at the wrong `cache_directory`: that run's dataset is cached
+somewhere it does not look for it (or only partly), and here its files are dead weight, since
+each trainer globs only its own architecture.
 
 ## Example
 ```
@@ -36,7 +37,7 @@ from collections.abc import Iterator
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import SAFETENSORS
 from cachedoctor.inventory import LATENT, TEXT
-from cachedoctor.majority import ranked
+from cachedoctor.majority import decide, ranked
 from cachedoctor.rule import Rule, RuleContext, Selector
 from cachedoctor.summary import DatasetView, FileSummary
 
@@ -54,7 +55,8 @@ def _mixed(view: DatasetView) -> dict[str, Counter]:
     for (folder, g), n in view.folder_tally().items():
         if _judged(g.role, g.format, g.family):
             by_dir[folder][g.family] += n
-    return {d: c for d, c in by_dir.items() if len(c) > 1}
+    # an even split is two models' passes over one dataset: no side is the stray one
+    return {d: c for d, c in by_dir.items() if len(c) > 1 and decide(c).major is not None}
 
 
 def _major(counts: Counter) -> tuple[str, int]:

@@ -185,36 +185,61 @@ class BareNaming(Naming):
 
 @functools.lru_cache(maxsize=256)
 def _beside_images(path: str, _mtime_ns: int) -> bool:
-    """Whether `path`, a folder deep in a bare tree, is a kohya image dir or an ai-toolkit image
-    folder (as `layout` tells for the folder scanned). Per worker, once per folder as it is
-    (the mtime in the key): a big folder's batches would each list it again."""
-    return _kohya_image_dir(path) or os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
+    """Whether `path`, a folder deep in a bare tree, is a kohya image dir, a musubi-tuner media
+    dir or an ai-toolkit image folder (as `layout` tells for the folder scanned). Per worker,
+    once per folder as it is (the mtime in the key): a big folder's batches would each list it
+    again."""
+    return _kohya_image_dir(path) or musubi.media_dir(path) or \
+        os.path.isdir(os.path.join(path, aitoolkit.LATENT_DIR))
+
+
+# What a trainer saves beside its weights (accelerate's save_state, used by SimpleTuner, kohya's
+# --save_state, musubi-tuner and the diffusers scripts: `optimizer.bin`, `random_states_<rank>.pkl`,
+# accelerate/utils/constants.py; ai-toolkit: `optimizer.pt` in its save_root; the diffusers
+# scripts and SimpleTuner: `pytorch_lora_weights.safetensors`): a folder holding one is a
+# training output (weights, model card, training_state.json), not a cache
+TRAINER_OUTPUT = ("optimizer.bin", "optimizer.pt", "random_states_0.pkl",
+                  "pytorch_lora_weights.safetensors")
+# where trainers save their sample images: kohya sd-scripts and musubi-tuner `<output_dir>/sample`,
+# ai-toolkit and OneTrainer `samples`, the diffusers scripts `<output_dir>/validation_images`
+SAMPLE_DIRS = frozenset({"sample", "samples", "validation_images"})
 
 
 def _project_images(path: str, root: str) -> bool:
-    """Whether `path`, below the bare tree scanned at `root`, is a project's image folder: no
-    cache file in it nor in a folder above it up to `root` (a scan of a folder of projects;
-    images nested in a cache are still strays)."""
-    if not root or not path.startswith(root + os.sep):
+    """Whether `path`, the bare tree scanned at `root` or a folder below it, is a project's
+    folder: no cache file in it nor in a folder above it up to `root` (a scan of a folder of
+    projects, whose own README or notes are no strays; images nested in a cache are), or a
+    trainer's output (its weights folder, its sample images)."""
+    if not root or not (path == root or path.startswith(root + os.sep)):
         return False
     folder = path
     while len(folder) >= len(root):
         try:
+            if _trainer_output(folder):
+                return True
             if _holds_cache_files(folder, os.stat(folder).st_mtime_ns):
                 return False
         except OSError:
             return False
+        if os.path.basename(folder) in SAMPLE_DIRS:
+            return True
         folder = os.path.dirname(folder)
     return True
+
+
+def _trainer_output(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in TRAINER_OUTPUT)
 
 
 @functools.lru_cache(maxsize=256)
 def _holds_cache_files(path: str, _mtime_ns: int) -> bool:
     """Whether `path` (as it is at that mtime) holds a cache file; stops at the first (a cache
-    folder's first names answer), where names() keeps no `.pt` of a million-file listing."""
+    folder's first names answer), where names() keeps no `.pt` of a million-file listing. A
+    folder named like one (`$RECYCLE.BIN` at the top of every Windows drive) is none."""
     try:
         with os.scandir(path) as listing:
-            return any(classify(entry.name) in (LATENT, TEXT) for entry in listing)
+            return any(classify(entry.name) in (LATENT, TEXT) and entry.is_file()
+                       for entry in listing)
     except OSError:
         return False
 
@@ -256,11 +281,16 @@ class _Directory(DirectoryNaming):
             family = musubi.header_family(name, meta)
             if family is not None:  # musubi's buckets need the dataset's settings
                 return CacheFacts(family=family)
+        if name.endswith(".npz"):
+            # kohya's `_<arch>.npz`: its family in any folder (`_sdxl.npz` beside `_flux.npz`,
+            # as scanning the image dir itself compares them), no bucket (see the docstring)
+            match = kohya.LATENT_NAME.match(name)
+            if match:
+                return CacheFacts(family=match["arch"])
         if self.bucket is None:
             return NO_FACTS
         if name.endswith(".npz"):
-            match = kohya.LATENT_NAME.match(name)
-            return CacheFacts(family=match["arch"]) if match else self.folder
+            return self.folder
         if len(name) == 67 and SHA256_PT.match(name):
             return NO_FACTS
         return self.folder
