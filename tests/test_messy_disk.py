@@ -96,11 +96,15 @@ def test_file_browser_files_in_a_cache_are_no_files_of_it(tmp_path: Path) -> Non
     assert [f.path for f in scan_paths(cache).findings] == [str(cache / "caption.txt")]
 
 
-def test_a_folder_of_projects_keeps_its_own_files(tmp_path: Path) -> None:
-    # the folder scanned holds no cache file: its README and logs are a project's, not strays
+def test_a_folder_of_projects_keeps_its_projects_files(tmp_path: Path) -> None:
+    # a project folder below the one scanned holds no cache file: its README and logs are a
+    # project's, not strays (the folder scanned itself is read and judged: see
+    # tests/formats/test_zip_attacks.py, a hostile zip given at the top)
     corpus.build("bucketed", tmp_path / "cache-a")
-    (tmp_path / "README.md").write_text("# my training runs\n")
-    (tmp_path / "train.log").write_text("step 1 loss 0.1\n")
+    notes = tmp_path / "run-2"
+    notes.mkdir()
+    (notes / "README.md").write_text("# my training runs\n")
+    (notes / "train.log").write_text("step 1 loss 0.1\n")
     assert scan_paths(tmp_path).findings == ()
 
 

@@ -206,11 +206,12 @@ SAMPLE_DIRS = frozenset({"sample", "samples", "validation_images"})
 
 
 def _project_images(path: str, root: str) -> bool:
-    """Whether `path`, the bare tree scanned at `root` or a folder below it, is a project's
-    folder: no cache file in it nor in a folder above it up to `root` (a scan of a folder of
-    projects, whose own README or notes are no strays; images nested in a cache are), or a
-    trainer's output (its weights folder, its sample images)."""
-    if not root or not (path == root or path.startswith(root + os.sep)):
+    """Whether `path`, a folder below the bare tree scanned at `root`, is a project's folder:
+    no cache file in it nor in a folder above it up to `root` (a scan of a folder of projects;
+    images nested in a cache are strays), or a trainer's output (its weights folder, its sample
+    images). The folder scanned itself is none: its files are read and judged, so a hostile
+    file given at the top (a zip holding a pickle) is never only stat'ed as a project's."""
+    if not root or not path.startswith(root + os.sep):
         return False
     folder = path
     while len(folder) >= len(root):
