@@ -652,3 +652,19 @@ def test_a_latent_whose_facts_come_from_its_image_is_judged_every_time(tmp_path:
     after = scan(built.config)
     assert same(after, fresh(built.config))
     assert [Path(f.path).name for f in after.findings if f.code == "CD302"] == ["img_000.npz"]
+
+
+def test_an_ai_toolkit_cache_whose_images_are_gone_scans_as_a_fresh_scan(tmp_path: Path) -> None:
+    """Scanned bare, an ai-toolkit `_latent_cache` keys its entries to images only while its
+    image folder holds any (a cache copied away from its images is judged file by file). The
+    images deleted, the rescan reused the entries' keys and called every one an orphan (CD405),
+    where a fresh scan finds nothing."""
+    from cachedoctor.fixtures.projects import aitoolkit
+
+    folder = aitoolkit.build(tmp_path / "a").root / "datasets" / aitoolkit.DATASET
+    scan(folder)
+    for path in [*folder.glob("*.png"), *folder.glob("*.txt")]:
+        path.unlink()
+    after = scan(folder)
+    assert same(after, fresh(folder))
+    assert not [f for f in after.findings if f.code == "CD405"]
