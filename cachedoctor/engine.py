@@ -187,7 +187,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
         files += 1
         found_before = len(findings)
         # recorded with the stat its reader took before reading: a later change shows next scan
-        record = entry.role in roles and given is None
+        record = entry.role in roles and given is None and (
+            entry.role != LATENT or naming.facts_of_its_own(entry.path[cut:]))
         if entry.area == "cache" and entry.role not in (LATENT, TEXT):
             if beside is None:
                 beside = naming.images_belong()

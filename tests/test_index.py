@@ -620,3 +620,51 @@ def test_a_big_directory_scanned_with_other_options_in_turn(tmp_path: Path,
     assert scan(root, shard=(0, 2)).index["read"] == 0
     last = scan(root)
     assert last.index["read"] == 0 and last.index["reused"] == 600 and same(last, fresh(root))
+
+
+def test_a_latent_whose_facts_come_from_its_image_is_judged_every_time(tmp_path: Path) -> None:
+    """kohya's legacy `<stem>.npz` names no size: its bucket is its image's, read from the
+    image's header. An image replaced by one of another bucket (its npz untouched) makes the
+    npz a CD302; the rescan reused the npz's summary, with the old image's bucket, and found
+    nothing."""
+    import numpy as np
+    from PIL import Image
+
+    from cachedoctor.fixtures.clean import kohya_arrays
+    from cachedoctor.fixtures.projects import age_all, encode, kohya
+
+    built = kohya.build(tmp_path / "k")
+    folder = built.root / "train" / kohya.DATASET
+    for new in folder.glob("*_sdxl.npz"):
+        new.unlink()
+    for seed, image in enumerate(sorted(folder.glob("*.png"))):
+        width, height = Image.open(image).size
+        np.savez(folder / f"{image.stem}.npz",
+                 **kohya_arrays(encode(image, width, height, seed, dtype="float32")))
+    age_all(built.root)
+    first = scan(built.config)
+    assert not [f for f in first.findings if f.severity >= Severity.WARNING]
+    image = folder / "img_000.png"
+    before = image.stat()
+    size = (320, 192) if Image.open(image).size != (320, 192) else (256, 256)
+    Image.new("RGB", size).save(image)  # another bucket, and the image as old as it was
+    os.utime(image, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = scan(built.config)
+    assert same(after, fresh(built.config))
+    assert [Path(f.path).name for f in after.findings if f.code == "CD302"] == ["img_000.npz"]
+
+
+def test_an_ai_toolkit_cache_whose_images_are_gone_scans_as_a_fresh_scan(tmp_path: Path) -> None:
+    """Scanned bare, an ai-toolkit `_latent_cache` keys its entries to images only while its
+    image folder holds any (a cache copied away from its images is judged file by file). The
+    images deleted, the rescan reused the entries' keys and called every one an orphan (CD405),
+    where a fresh scan finds nothing."""
+    from cachedoctor.fixtures.projects import aitoolkit
+
+    folder = aitoolkit.build(tmp_path / "a").root / "datasets" / aitoolkit.DATASET
+    scan(folder)
+    for path in [*folder.glob("*.png"), *folder.glob("*.txt")]:
+        path.unlink()
+    after = scan(folder)
+    assert same(after, fresh(folder))
+    assert not [f for f in after.findings if f.code == "CD405"]

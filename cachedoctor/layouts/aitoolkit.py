@@ -241,6 +241,10 @@ class _Directory(DirectoryNaming):
             return f"{key}@{','.join(self.naming.incomplete[key])}", self.expects
         return key, self.expects
 
+    def facts_of_its_own(self, name: str) -> bool:
+        # bare, whether a cache's entries are keyed depends on its image folder's listing
+        return not (self.naming.bare and self.in_latents)
+
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_latents or not name.endswith(".safetensors"):
             return CacheFacts()

@@ -160,6 +160,13 @@ class DirectoryNaming:
         """The facts of a latent cache file; by default its folder is its bucket."""
         return CacheFacts(bucket=self.bucket)
 
+    def facts_of_its_own(self, name: str) -> bool:
+        """Whether cache() tells a latent's facts from its name, its content and the dataset
+        alone: the incremental index keeps a verdict only while the file's stat is unchanged,
+        so facts read from another file (kohya's legacy npz takes its bucket from its image)
+        must be made afresh every scan."""
+        return True
+
 
 @dataclass(frozen=True)
 class Naming:

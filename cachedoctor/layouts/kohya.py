@@ -518,6 +518,11 @@ class _Directory(DirectoryNaming):
                 return facts
         return judged[0]
 
+    def facts_of_its_own(self, name: str) -> bool:
+        # a legacy <stem>.npz's bucket is its image's size, read from the image's header
+        return self.naming.buckets is None or not name.endswith(".npz") or \
+            LATENT_NAME.match(name) is not None
+
     def _image_size(self, stem: str) -> tuple[int, int] | None:
         from cachedoctor.images import header_size
 
