@@ -15,7 +15,8 @@ that load safely.
 One class is by design where it is found: OneTrainer before 2024-07-14 (Nerogar/OneTrainer
 474dd2c6, mgds 5ea389a) cached the VAE's output as it came, a diffusers
 `DiagonalGaussianDistribution` (`latent_image_distribution`: `parameters`, `mean`, `logvar`,
-`std`, `var`), in mgds DiskCache samples (`variation-<n>/<i>.pt`) that mgds loads with
+`std`, `var`), in mgds DiskCache samples (`variation-<n>/<i>.pt`, before mgds a8e7480 of
+2023-12-16 `image/epoch-<n>/<i>.pt`) that mgds loads with
 `weights_only=False`. Pickled as a plain object (its class and its `__dict__`), it runs nothing
 but the import of diffusers, which the trainer has loaded already. In such a sample it is no
 finding; anywhere else, or beside any other global, it is reported as any other class is.
@@ -47,8 +48,9 @@ DANGEROUS_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__
 # diffusers' VAE posterior, under its module before and after diffusers 0.25 moved it
 VAE_DISTRIBUTION = frozenset({"diffusers.models.vae.DiagonalGaussianDistribution",
                               "diffusers.models.autoencoders.vae.DiagonalGaussianDistribution"})
-# a sample of mgds' DiskCache: <cache>/<group sha256>/variation-<n>/<i>.pt
-MGDS_SAMPLE = re.compile(r"[/\\]variation-\d+[/\\]\d+\.pt$")
+# a sample of mgds' DiskCache: <cache>/<group sha256>/variation-<n>/<i>.pt, or before mgds
+# a8e7480 (2023-12-16) <cache_dir>/image/epoch-<n>/<i>.pt (layouts/onetrainer.py EPOCH)
+MGDS_SAMPLE = re.compile(r"[/\\](variation-\d+|image[/\\]epoch-\d+)[/\\]\d+\.pt$")
 
 
 def by_design(meta: FileMeta) -> bool:

@@ -14,8 +14,8 @@ semantics then apply:
 - an image folder holding `_latent_cache/` (ai-toolkit), a folder of such image folders, or a
   `_latent_cache/` itself: the images belong, the `_latent_cache` folders are its caches, and
   their headers name the images, so coverage rules run (layouts/aitoolkit.py, `bare`);
-- `variation-<n>/<i>.pt` (OneTrainer): `crop_resolution` from the folder's `aggregate.pt`, or
-  no bucket without one;
+- `variation-<n>/<i>.pt` (OneTrainer; before mgds a8e7480 `image/epoch-<n>/`, `text/epoch-<n>/`):
+  `crop_resolution` from the folder's `aggregate.pt`, or no bucket without one;
 - `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders);
 - `<stem>_<W>x<H>_<arch>.safetensors` with musubi-tuner's header (`format_version`,
   `architecture`): no bucket, the architecture its family; a folder holding such files beside
@@ -144,7 +144,9 @@ def _aggregates(path: str) -> dict[str, onetrainer.Samples]:
     for variations in (lambda: _variations(image, groups=True),
                        lambda: _variations(path, groups=True),
                        lambda: _variations(path, groups=False),
-                       lambda: [path] if onetrainer.VARIATION.match(os.path.basename(path)) else []):
+                       lambda: _epochs(image),
+                       lambda: _epochs(path),
+                       lambda: [path] if onetrainer.sample_folder(path) else []):
         for folder in variations():
             found = os.path.join(folder, "aggregate.pt")
             if os.path.lexists(found):
@@ -162,6 +164,13 @@ def _variations(parent: str, groups: bool) -> list[str]:
     and only group-named folders are listed (a flat cache's files are not tried as folders)."""
     tops = [os.path.join(parent, n) for n in listdir(parent, _group)] if groups else [parent]
     return sorted(os.path.join(top, n) for top in tops for n in listdir(top, _variation))
+
+
+def _epochs(area: str) -> list[str]:
+    """The `epoch-<n>` folders of mgds before a8e7480 in a cache_dir's image/ folder, sorted."""
+    if os.path.basename(area) != "image":
+        return []
+    return sorted(os.path.join(area, n) for n in listdir(area, onetrainer.EPOCH.match))
 
 
 def _group(name: str) -> bool:
@@ -259,10 +268,12 @@ class _Directory(DirectoryNaming):
         self.folder = CacheFacts(bucket=self.bucket)  # made once: most files get exactly this
         if base == aitoolkit.LATENT_DIR:
             self.kind = "ai-toolkit"
-        elif onetrainer.VARIATION.match(base):
+        elif onetrainer.sample_folder(path):
             self.kind = "onetrainer"
-            if _group(os.path.basename(os.path.dirname(path))):  # mgds' `<sha256>/variation-<n>`
-                self.expected_device = ANY_DEVICE  # mgds loads with map_location=train_device
+            # mgds' `<sha256>/variation-<n>`, or `image/epoch-<n>` and `text/epoch-<n>` before
+            # a8e7480: mgds loads with map_location=train_device
+            if _group(os.path.basename(os.path.dirname(path))) or onetrainer.EPOCH.match(base):
+                self.expected_device = ANY_DEVICE
             self.onetrainer = onetrainer.OneTrainerNaming(naming.aggregates).directory(
                 path, bucket, "cache")
 

@@ -70,6 +70,21 @@ TITLE = "OneTrainer"
 KEYS = frozenset({"cache_dir", "concepts", "concept_file_name", "latent_caching",
                   "clear_cache_before_training", "train_device", "workspace_dir"})
 VARIATION = re.compile(r"^variation-\d+$")
+# mgds before a8e7480 (2023-12-16, "replace epochs with variations"; OneTrainer before 49e3ad38):
+# DiskCache wrote `<cache_dir>/image/epoch-<n>/` and `text/epoch-<n>/` (n: the epoch modulo
+# latent_caching_epochs), no group folder, the same `<i>.pt` and `aggregate.pt` in them
+# (GenericDataLoaderModules.py DiskCache.__current_cache_dir; StableDiffusion*BaseDataLoader.py)
+EPOCH = re.compile(r"^epoch-\d+$")
+AREAS = ("image", "text")
+
+
+def sample_folder(path: str) -> bool:
+    """A folder of mgds DiskCache samples: `variation-<n>`, or before a8e7480 an `epoch-<n>`
+    directly in the cache_dir's image/ or text/ folder."""
+    base = os.path.basename(path)
+    if VARIATION.match(base):
+        return True
+    return EPOCH.match(base) is not None and os.path.basename(os.path.dirname(path)) in AREAS
 # mgds CollectPaths: the supported image types, and the masks/conditioning images beside them
 IMAGE_EXTENSIONS = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".jxl", ".avif")
 NOT_SAMPLES = ("-masklabel", "-condlabel")
@@ -287,14 +302,19 @@ Samples = tuple[tuple[str | None, tuple[int, int] | None], ...]
 
 
 def read_aggregates(image_cache: str, root: str) -> dict[str, Samples]:
-    """variation dir -> (image path, crop (h, w)) per sample index, from each aggregate.pt.
+    """sample folder (`<group>/variation-<n>`, before mgds a8e7480 `epoch-<n>`) -> (image path,
+    crop (h, w)) per sample index, from each aggregate.pt.
 
     A missing or unreadable aggregate.pt leaves its folder out: OneTrainer re-caches a folder
     without one, and a broken one is reported by the file rules (CD101).
     """
     out: dict[str, Samples] = {}
-    pattern = os.path.join(glob.escape(image_cache), "*", "variation-*", "aggregate.pt")
-    for path in sorted(glob.glob(pattern)):
+    top = glob.escape(image_cache)
+    found = glob.glob(os.path.join(top, "*", "variation-*", AGGREGATE))
+    found += glob.glob(os.path.join(top, "epoch-*", AGGREGATE))  # mgds before a8e7480
+    for path in sorted(found):
+        if not sample_folder(os.path.dirname(path)):
+            continue
         entries = aggregate_entries(path, root)
         if entries is not None:
             out[os.path.dirname(path)] = entries
@@ -374,7 +394,7 @@ class _Directory(DirectoryNaming):
         self.path, self.area = path, area
         self.naming = naming
         self.entries = naming.aggregates.get(path)
-        self.in_variation = VARIATION.match(os.path.basename(path)) is not None
+        self.in_variation = sample_folder(path)
 
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.area != "images":
@@ -432,7 +452,7 @@ def rebuilds(removed: Iterable[str], replaced: Iterable[str] = ()) -> dict[str, 
         folder, name = os.path.split(path)
         aggregate = os.path.join(folder, AGGREGATE)
         if (not name[:-3].isdigit() or not name.endswith(".pt") or aggregate in removed_set
-                or not VARIATION.match(os.path.basename(folder)) or not os.path.isfile(aggregate)):
+                or not sample_folder(folder) or not os.path.isfile(aggregate)):
             continue
         listed = _listed(aggregate)
         if listed is None or int(name[:-3]) < listed:

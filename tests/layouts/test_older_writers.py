@@ -13,10 +13,18 @@
   from the train device (modules/dataLoader/StableDiffusionXLBaseDataLoader.py `_cache_modules`,
   mgds pipelineModules/EncodeVAE.py and DiskCache.py); text samples hold squeezed views
   (pipelineModules/Tokenize.py, EncodeClipText.py).
+- OneTrainer before 49e3ad38 (2023-12-17; mgds before a8e7480, 2023-12-16, "replace epochs
+  with variations"): mgds GenericDataLoaderModules.py `DiskCache` wrote the same samples and
+  `aggregate.pt` to `<cache_dir>/image/epoch-<n>/` and `text/epoch-<n>/` (n: the epoch modulo
+  `latent_caching_epochs`), no group folder; the config (TrainArgs.to_dict, OneTrainer 5dcccc59)
+  has no `__version` and its concepts no `seed`, `image` or `text`.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
 import types
 from collections.abc import Callable
@@ -279,3 +287,87 @@ def test_onetrainer_vae_distribution_of_another_size_is_never_reencoded_as_laten
     assert not (folder / "aggregate.pt").exists()
     left = [torch.load(p, map_location="cpu", weights_only=False) for p in folder.glob("*.pt")]
     assert left and all("latent_image" not in s for s in left)
+
+
+def _onetrainer_before_a8e7480(root: Path, defects: tuple[str, ...] = (), epochs: int = 1,
+                               ) -> tuple[Path, Path, dict]:
+    """The 474dd2c6-era project as OneTrainer 5dcccc59 (mgds before a8e7480) laid it out: the
+    samples of `<sha256>/variation-0` in `epoch-0` ... `epoch-<epochs - 1>` (mgds caches every
+    epoch folder the same way), a TrainArgs config without `__version` that keeps its cache
+    (clear_cache_before_training false), ConceptParams concepts. The config, the cache_dir and
+    the expected findings with their paths moved along."""
+    _onetrainer_before_474dd2c6(root, defects)
+    cache = root / "workspace-cache" / "run"
+    moved = {}
+    for area in ("image", "text"):
+        (group,) = (cache / area).iterdir()
+        for epoch in range(epochs):
+            shutil.copytree(group / "variation-0", cache / area / f"epoch-{epoch}")
+        shutil.rmtree(group)
+        moved[str(group / "variation-0")] = str(cache / area / "epoch-0")
+    config = root / "training_presets" / f"{onetrainer.DATASET}.json"
+    data = json.loads(config.read_text())
+    for key in ("__version", "concepts", "multi_gpu", "device_indexes"):
+        data.pop(key)
+    data.update(clear_cache_before_training=False, latent_caching_epochs=epochs)
+    config.write_text(json.dumps(data, indent=4))
+    concepts = root / "training_concepts" / "concepts.json"
+    concepts.write_text(json.dumps([
+        {"name": c["name"], "path": c["path"], "prompt_source": "sample", "prompt_path": "",
+         "enable_crop_jitter": True, "enable_random_flip": True, "include_subdirectories": False,
+         "enable_tag_shuffling": False, "tag_delimiter": ",", "keep_tags_count": 1}
+        for c in json.loads(concepts.read_text())], indent=4))
+    return config, cache, moved
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_onetrainer_epoch_folders_are_healthy(tmp_path: Path, diffusers_vae, epochs: int) -> None:
+    """Before a8e7480 the samples lie in `image/epoch-<n>/`: their VAE distributions are by
+    design (no CD105), their tensors load onto the train device (no CD501, bare either), and
+    aggregate.pt maps them to their images (no CD404 for images it lists)."""
+    config, cache, _ = _onetrainer_before_a8e7480(tmp_path / "ot", epochs=epochs)
+    assert sorted(p.name for p in (cache / "image").iterdir()) == [
+        f"epoch-{n}" for n in range(epochs)]
+    assert alarms(scan_paths(config)) == []
+    for bare in (tmp_path / "ot" / "workspace-cache", cache / "image", cache / "text",
+                 cache / "image" / "epoch-0"):
+        assert alarms(scan_paths(bare)) == [], bare
+
+
+@pytest.mark.parametrize("defect", ["CD302", "CD404"])
+def test_onetrainer_epoch_folders_keep_their_findings(tmp_path: Path, diffusers_vae,
+                                                      defect: str) -> None:
+    """Read through its aggregate.pt, an epoch folder's sample of another size is CD302, and
+    an image added after it was cached (mgds caches no folder again while its aggregate.pt
+    exists) is CD404."""
+    root = tmp_path / "ot"
+    project = onetrainer.build(tmp_path / "reference", (defect,))
+    config, _, moved = _onetrainer_before_a8e7480(root, (defect,))
+    expected = set()
+    for code, hits in project.expected.items():
+        for path, _ in hits:
+            path = str(path).replace(str(tmp_path / "reference"), str(root))
+            for old, new in moved.items():
+                path = path.replace(old, new)
+            expected.add((code, path))
+    found = {(f.code, f.path) for f in scan_paths(config).findings if f.severity >= SEVERE}
+    assert found == expected
+
+
+def test_onetrainer_epoch_folder_truncated_sample_is_cd101(tmp_path: Path,
+                                                           diffusers_vae) -> None:
+    config, cache, _ = _onetrainer_before_a8e7480(tmp_path / "ot")
+    sample = cache / "image" / "epoch-0" / "2.pt"
+    os.truncate(sample, sample.stat().st_size // 2)
+    assert [(c, n) for c, n, _ in alarms(scan_paths(config))] == [("CD101", "2.pt")]
+    assert [(c, n) for c, n, _ in alarms(scan_paths(cache))] == [("CD101", "2.pt")]
+
+
+def test_onetrainer_epoch_folder_distribution_beside_another_global_is_cd105(
+        tmp_path: Path, diffusers_vae) -> None:
+    config, cache, _ = _onetrainer_before_a8e7480(tmp_path / "ot")
+    sample = cache / "image" / "epoch-0" / "1.pt"
+    item = torch.load(sample, map_location="cpu", weights_only=False)
+    item["extra"] = types.SimpleNamespace(note="not a tensor")
+    torch.save(item, sample)
+    assert [(c, n) for c, n, _ in alarms(scan_paths(config))] == [("CD105", "1.pt")]
