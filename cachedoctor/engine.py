@@ -33,7 +33,7 @@ from cachedoctor.formats.zip_templates import Templates
 from cachedoctor.inventory import IMAGE as IMAGE_ROLE
 from cachedoctor.inventory import LATENT, OTHER, TEXT, Batch, Entry, batches
 from cachedoctor.layouts import Dataset, Layout, resolve
-from cachedoctor.layouts.base import ANY_DEVICE, FOLDERS
+from cachedoctor.layouts.base import ANY_DEVICE, FOLDERS, DirectoryNaming
 from cachedoctor.options import ScanOptions
 from cachedoctor.remote import SCHEME as REMOTE
 from cachedoctor.remote import is_remote
@@ -183,12 +183,15 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     beside: bool | None = None  # whether images belong in this cache folder: asked once
     recorded = state.recorder.files.append  # (index.Recorder.files says what each holds)
     roles = index.recorded_roles(batch.area) if scope else ()
+    # (asked per latent only of a naming whose facts may come from another file)
+    own_facts = None if type(naming).facts_of_its_own is not DirectoryNaming.facts_of_its_own \
+        else True
     for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
         files += 1
         found_before = len(findings)
         # recorded with the stat its reader took before reading: a later change shows next scan
         record = entry.role in roles and given is None and (
-            entry.role != LATENT or naming.facts_of_its_own(entry.path[cut:]))
+            own_facts or entry.role != LATENT or naming.facts_of_its_own(entry.path[cut:]))
         if entry.area == "cache" and entry.role not in (LATENT, TEXT):
             if beside is None:
                 beside = naming.images_belong()

@@ -46,6 +46,7 @@ import os
 import secrets
 import sqlite3
 import stat
+import struct
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -131,12 +132,18 @@ _MTIME = operator.attrgetter("st_mtime")
 _GROUP = operator.attrgetter(*Group._fields)  # a summary's Group, as summary.encode counts it
 
 
+_STAT_BYTES = struct.Struct("=5q")  # a stat tuple as array("q") lays it out (native order)
+
+
 def _listing(names: Any, stats: Iterable[tuple]) -> bytes:
     """A directory's names ("\\0"-joined, after their length) and stats (int64s), as bytes;
     OverflowError for an inode or a time beyond 63 bits."""
     listed = "\0".join(names).encode("utf-8", "surrogatepass")
-    return b"".join((len(listed).to_bytes(8, "little"), listed,
-                     array.array("q", itertools.chain.from_iterable(stats)).tobytes()))
+    try:  # (a C loop: array("q", chain(...)) converts each of the five ints in Python)
+        packed = b"".join(itertools.starmap(_STAT_BYTES.pack, stats))
+    except struct.error as exc:
+        raise OverflowError(str(exc)) from None
+    return b"".join((len(listed).to_bytes(8, "little"), listed, packed))
 
 
 def fingerprint(names: Any, stats: Iterable[tuple]) -> bytes:
@@ -222,7 +229,9 @@ class Recorder:
         facts = map(_FACTS, summaries) if None not in summaries else \
             [None if s is None else _FACTS(s) for s in summaries]
         covers = list(map(_DONE_COVER, done))
-        if covers.count(None) != len(covers):
+        if None not in covers:  # (every file an entry: a C loop)
+            covers = list(map(_COVER, covers))
+        elif covers.count(None) != len(covers):
             covers = [None if c is None else _COVER(c) for c in covers]
         try:
             runs = [[self._summary(same), len(list(run))] for same, run in itertools.groupby(facts)]
