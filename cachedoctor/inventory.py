@@ -68,6 +68,18 @@ def file_browser_file(name: str) -> bool:
     return name in FILE_BROWSER_FILES or name.startswith("._")
 
 
+# folders the system keeps on a drive, not the user's data: the trash of freedesktop
+# (.Trash-<uid>, .Trash), macOS volumes (.Trashes) and Windows ($RECYCLE.BIN), Windows'
+# System Volume Information, fsck's lost+found. A cache deleted to the trash is no cache a
+# trainer reads; its files would only be reported as strays or broken entries.
+SYSTEM_DIRS = frozenset({".Trash", ".Trashes", "$RECYCLE.BIN", "System Volume Information",
+                         "lost+found"})
+
+
+def system_dir(name: str) -> bool:
+    return name in SYSTEM_DIRS or name.startswith(".Trash-")
+
+
 class Entry(NamedTuple):
     """A file to check. Size and times come later, from the worker's fstat of the open file:
     the walk itself only lists directories, so it never stats a regular file."""
@@ -216,7 +228,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                                          name)
                             names, errors = [], []
                 elif is_dir:
-                    if child.name == STATE_DIR or not recursive:
+                    if child.name == STATE_DIR or not recursive or system_dir(child.name):
                         continue
                     try:
                         cst = child.stat()

@@ -213,3 +213,19 @@ def test_a_dataset_linked_into_a_project_is_no_loop(tmp_path: Path) -> None:
     assert scan_paths(tmp_path).findings == ()
     (tmp_path / "cache" / "text" / "up").symlink_to(tmp_path / "cache")
     assert [f.code for f in scan_paths(tmp_path).findings] == ["CD001"]
+
+
+def test_a_drive_s_trash_and_system_folders_are_not_walked(tmp_path: Path) -> None:
+    """A cache deleted to the trash (freedesktop, macOS, Windows) or fragments fsck left in
+    lost+found are no caches a trainer reads: not walked. A broken entry of the cache beside
+    them is still reported."""
+    drive = tmp_path / "drive"
+    corpus.build("bucketed", drive / "cache")
+    for trash in (".Trash-1000/files/old-cache", ".Trashes/501", "$RECYCLE.BIN/S-1-5-21",
+                  "lost+found", "System Volume Information"):
+        (drive / trash).mkdir(parents=True, exist_ok=True)
+        (drive / trash / "torn.pt").write_bytes(b"PK\x03\x04" + bytes(40))  # a cut zip
+    assert scan_paths(drive).findings == ()
+    (drive / "cache" / "torn.pt").write_bytes(b"PK\x03\x04" + bytes(40))
+    assert [(f.code, Path(f.path).name) for f in scan_paths(drive).findings] == [
+        ("CD101", "torn.pt")]
