@@ -265,7 +265,8 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
     # The payloads a read never looks at (storages) are skipped; every other byte decides.
     cut = slash + 1
     skipped = sorted((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
-                     if e.name[cut:] not in READ_RECORDS and e.compressed_size >= MIN_SKIPPED)
+                     if ascii_fold(e.name[cut:]) not in READ_RECORDS
+                     and e.compressed_size >= MIN_SKIPPED)
     spans, cursor = [], 0
     for start, end in skipped:
         if start > cursor:
@@ -292,6 +293,7 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
             cursor = end
         parts.append(re.escape(data[cursor - at :]))
         patterns.append((at, n, re.compile(b"".join(parts), re.DOTALL)))
+    # (found as torch and the reader find them: A-Z folded, archive/BYTEORDER is the byteorder)
     records = tuple((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
-                    if e.name[cut:] in READ_RECORDS)
+                    if ascii_fold(e.name[cut:]) in READ_RECORDS)
     return Template(tuple(patterns), directory, records, tuple(crc_offsets))

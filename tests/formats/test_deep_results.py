@@ -306,3 +306,33 @@ def test_twins_report_a_wrong_crc_in_any_entry(tmp_path):
     assert bool(errors[3]) == bool(own) and not errors[0] and not errors[1]
     assert [dict(read_path(str(p), deep=True, templates=templates).nonfinite)
             for p in paths[4:]] == [{(): 1}, {(): 1}]
+
+
+@pytest.mark.parametrize("record,garbage", [("byteorder", b"elttil"), ("version", b"x\n")])
+@pytest.mark.parametrize("deep", [False, True])
+def test_twins_read_records_named_in_another_case(tmp_path, record, garbage, deep):
+    """torch.load finds a record with its name's A-Z folded (archive/BYTEORDER is the byteorder
+    record), and so does the reader: a template keys its twins by those records' bytes however
+    their names are cased, so a later file of that layout with a broken record in it is read,
+    not taken for the clean file's twin."""
+    paths = [tmp_path / "00.pt", tmp_path / "01.pt"]
+    for path in paths:
+        torch.save({"latent": torch.arange(1.0, 513.0)}, path)
+        data = path.read_bytes().replace(f"/{record}".encode(), f"/{record.upper()}".encode())
+        path.write_bytes(data)
+    with zipfile.ZipFile(paths[1]) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(f"/{record.upper()}"))
+        assert len(z.read(info)) == len(garbage)
+    data = bytearray(paths[1].read_bytes())
+    local = info.header_offset
+    at = local + 30 + int.from_bytes(data[local + 26 : local + 28], "little") + \
+        int.from_bytes(data[local + 28 : local + 30], "little")
+    data[at : at + len(garbage)] = garbage
+    crc = zlib.crc32(garbage).to_bytes(4, "little")
+    data = bytes(data).replace(info.CRC.to_bytes(4, "little"), crc)  # local header and directory
+    paths[1].write_bytes(data)
+    alone = read_path(str(paths[1]), deep=deep)
+    assert alone.errors and not alone.crc_errors
+    templates = Templates()
+    assert read_path(str(paths[0]), deep=deep, templates=templates).ok
+    assert read_path(str(paths[1]), deep=deep, templates=templates) == alone
