@@ -260,12 +260,12 @@ def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -
             plan = template.plans.get(records, _NO_PLAN)
             if plan is _NO_PLAN:  # what to read of its twins, worked out once
                 plan = template.plans[records] = torch_zip.twin_plan(
-                    src, twin, template.directory, template.crc_offsets, template.records)
-            whole = src.buffer
-            if plan is not None and whole is not None and len(whole) == src.size and \
-                    torch_zip.clean(whole, plan):
-                return twin.renamed(path)  # (read_twin's answer, at the cost of the checks)
+                    src, twin, template.directory, template.records)
             crcs = template.crcs(windows)
+            whole = src.buffer
+            if crcs is not None and plan is not None and whole is not None and \
+                    len(whole) == src.size and torch_zip.clean(whole, plan, crcs):
+                return twin.renamed(path)  # (read_twin's answer, at the cost of the checks)
             if crcs is not None:
                 return torch_zip.read_twin(src, path, twin, template.directory, crcs, prefix,
                                            plan)

@@ -91,6 +91,22 @@ def none_test(dtype: str, big_endian: bool = False) -> tuple | None:
             threshold)
 
 
+def holds_none(data: bytes | memoryview, offset: int, count: int, test: tuple,
+               zeros: bool = False) -> bool:
+    """Whether the `count` elements at byte `offset` of `data` are proven free of NaN/Inf by
+    `test` (none_test's), in two reductions; with `zeros`, of exact zeros too (two more: +0 is
+    the smallest unsigned view, -0 the smallest signed one). False says only: count them."""
+    from numpy import frombuffer, maximum, minimum
+
+    unsigned, signed, top, signed_top = test
+    bits = frombuffer(data, unsigned, count, offset)
+    ints = bits.view(signed)  # (ufunc.reduce: ndarray.max adds a Python frame per call)
+    if maximum.reduce(bits) >= top or maximum.reduce(ints) >= signed_top:
+        return False
+    return not zeros or (minimum.reduce(bits) != 0 and
+                         minimum.reduce(ints) != -(1 << (8 * signed.itemsize - 1)))
+
+
 def _whole(flags, parts: int, combine) -> int:
     """How many elements `flags` (one per value) marks: for complex elements, by `combine`
     (any, all) of their two parts."""

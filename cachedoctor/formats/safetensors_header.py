@@ -17,7 +17,13 @@ import re
 from typing import NamedTuple
 
 from cachedoctor.formats.meta import SAFETENSORS, FileMeta, TensorMeta, contiguous_stride
-from cachedoctor.formats.nonfinite import FLOAT_DTYPES, count_values_at, itemsize, none_test
+from cachedoctor.formats.nonfinite import (
+    FLOAT_DTYPES,
+    count_values_at,
+    holds_none,
+    itemsize,
+    none_test,
+)
 from cachedoctor.formats.source import Source
 from cachedoctor.formats.torch_tensors import clip
 
@@ -143,8 +149,7 @@ def read(src: Source, path: str, deep: bool,
     for t in tensors if deep else ():
         dtype = DTYPES[t.dtype][0]
         if dtype in FLOAT_DTYPES:
-            values.append((t.name, N_LEN + n + t.begin, t.end - t.begin, dtype,
-                           none_test(dtype) if not dtype.endswith("fnuz") else None))
+            values.append((t.name, N_LEN + n + t.begin, t.end - t.begin, dtype, none_test(dtype)))
             count, zero = count_values_at(src, N_LEN + n + t.begin, t.end - t.begin, dtype)
             if count:
                 nonfinite.append(((t.name,), count))
@@ -166,16 +171,9 @@ def _again(src: Source, path: str, seen: Known) -> FileMeta:
     nonfinite, zeros = [], []
     whole = src.buffer if src.buffer is not None and len(src.buffer) == src.size else None
     for name, offset, nbytes, dtype, test in seen.values:
-        if test is not None and whole is not None and nbytes:  # (an empty one: no reduce)
-            from numpy import frombuffer, maximum, minimum
-
-            unsigned, signed, top, signed_top = test
-            bits = frombuffer(whole, unsigned, nbytes // unsigned.itemsize, offset)
-            ints = bits.view(signed)  # (ufunc.reduce: ndarray.max adds a Python frame per call)
-            if (maximum.reduce(bits) < top and maximum.reduce(ints) < signed_top and
-                    minimum.reduce(bits) != 0 and
-                    minimum.reduce(ints) != -(1 << (8 * signed.itemsize - 1))):
-                continue
+        if test is not None and whole is not None and nbytes and holds_none(  # (empty: no reduce)
+                whole, offset, nbytes // test[0].itemsize, test, zeros=True):
+            continue
         count, zero = count_values_at(src, offset, nbytes, dtype)
         if count:
             nonfinite.append(((name,), count))

@@ -24,12 +24,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import struct
 from dataclasses import dataclass
 
 from cachedoctor.formats import crc as checksum
 from cachedoctor.formats.meta import TORCH_ZIP, FileMeta, TensorMeta
-from cachedoctor.formats.nonfinite import FLOAT_DTYPES, itemsize, none_test, nonfinite_offsets
+from cachedoctor.formats.nonfinite import (
+    FLOAT_DTYPES,
+    holds_none,
+    itemsize,
+    none_test,
+    nonfinite_offsets,
+)
 from cachedoctor.formats.source import BytesSource, Source
 from cachedoctor.formats.torch_tensors import clip, is_dense, nonfinite_counts, tensor_metas
 from cachedoctor.formats.unpickler import (
@@ -111,24 +116,20 @@ class TwinPlan:
     # (data offset, size, dtype, tensor indices, their begins, their ends) per storage and dtype
     storages: tuple[tuple[int, int, str, tuple[int, ...], object, object], ...]
     big: bool
-    # clean(): the recorded CRC32s, all in one unpack from the central directory
-    crc_at: int = 0
-    crc_unpack: struct.Struct | None = None
-    # the entries whose bytes are a twin's records (data.pkl, version, byteorder), equal in every
+    # clean(): the entries whose bytes are a twin's records (data.pkl, version, byteorder), equal in every
     # twin, or empty: (their CRCs taken from a list of all, the CRCs their bytes have)
     fixed: tuple[operator.itemgetter | None, tuple[int, ...]] = (None, ())
     varying: tuple[tuple[int, int, int], ...] = ()  # (index, start, end): CRC32 read per file
-    # per storage, nonfinite.none_test's proof of no NaN/Inf: (offset, count, *test); None
+    # per storage, nonfinite.none_test's proof of no NaN/Inf: (offset, count, test); None
     # when a dtype has none (clean() then always says no)
     values: tuple[tuple, ...] | None = None
 
 
 def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory,
-              crc_offsets: tuple[int, ...] = (),
-              records: tuple[tuple[int, int], ...] = ()) -> TwinPlan | None:
+              records: tuple[tuple[int, int], ...] | None = None) -> TwinPlan | None:
     """The TwinPlan of `twin` (read from a file of `directory`'s layout, as `src` is), or None
     when the general path must read its twins (a deflated entry, a strided view). With the
-    template's `crc_offsets` and `records` spans, the plan also serves clean()."""
+    template's `records` spans, the plan also serves clean()."""
 
     entries = directory.entries
     cut = entries[0].name.find("/") + 1
@@ -153,19 +154,14 @@ def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory,
     big = _Reader(src, "", True, directory)._big_endian(by_name)
     plan = TwinPlan(tuple((e.data_offset, e.size, e.name[cut:]) for e in entries),
                     tuple(storages), big)
-    if len(crc_offsets) != len(entries):
+    if records is None:
         return plan
-    return dataclasses.replace(plan, **_clean_plan(src, entries, crc_offsets, records, storages,
-                                                   big))
+    return dataclasses.replace(plan, **_clean_plan(src, entries, records, storages, big))
 
 
-def _clean_plan(src: Source, entries: tuple[ZipEntry, ...], crc_offsets: tuple[int, ...],
-                records: tuple[tuple[int, int], ...], storages: list, big: bool) -> dict:
+def _clean_plan(src: Source, entries: tuple[ZipEntry, ...], records: tuple[tuple[int, int], ...],
+                storages: list, big: bool) -> dict:
     """clean()'s part of a TwinPlan."""
-    layout, cursor = ["<"], crc_offsets[0]
-    for at in crc_offsets:  # (ascending: the directory's entries in order)
-        layout.append(f"{at - cursor}xI")
-        cursor = at + 4
     fixed, actual, varying = [], [], []
     for i, e in enumerate(entries):
         start, end = e.data_offset, e.data_offset + e.size
@@ -181,22 +177,20 @@ def _clean_plan(src: Source, entries: tuple[ZipEntry, ...], crc_offsets: tuple[i
         test = none_test(dtype, big)
         if test is None or size < test[0].itemsize:
             return {}
-        values.append((offset, size // test[0].itemsize, *test))
-    return {"crc_at": crc_offsets[0], "crc_unpack": struct.Struct("".join(layout)),
-            "fixed": (getter, getter(actual) if getter else ()), "varying": tuple(varying),
+        values.append((offset, size // test[0].itemsize, test))
+    return {"fixed": (getter, getter(actual) if getter else ()), "varying": tuple(varying),
             "values": tuple(values)}
 
 
-def clean(data: bytes, plan: TwinPlan) -> bool:
-    """Whether a twin's bytes (`data`, the whole file) hold nothing --deep would report: every
-    CRC32 its central directory records right, no NaN/Inf in any float storage. True is then
-    read_twin's answer (the twin's facts); False says only that read_twin must look (a CRC32
-    not recorded, a NaN, a wrong CRC), and costs it nothing but this call. The cheapest
-    proof: one unpack of the CRCs, the records' compared to theirs worked out once, the
-    others' read, and two reductions per storage (nonfinite.none_test)."""
-    if plan.values is None or plan.crc_unpack is None:
+def clean(data: bytes, plan: TwinPlan, recorded: tuple[int, ...]) -> bool:
+    """Whether a twin's bytes (`data`, the whole file, whose central directory records the
+    CRC32s `recorded`) hold nothing --deep would report: every CRC32 right, no NaN/Inf in any
+    float storage. True is then read_twin's answer (the twin's facts); False says only that
+    read_twin must look (a CRC32 not recorded, a NaN, a wrong CRC), and costs it nothing but
+    this call. The cheapest proof: the records' CRCs compared to theirs worked out once, the
+    others' read, and two reductions per storage (nonfinite.holds_none)."""
+    if plan.values is None:
         return False
-    recorded = plan.crc_unpack.unpack_from(data, plan.crc_at)
     getter, expected = plan.fixed
     if getter is not None and getter(recorded) != expected:
         return False
@@ -204,14 +198,7 @@ def clean(data: bytes, plan: TwinPlan) -> bool:
     for i, start, end in plan.varying:
         if crc32(whole[start:end]) != recorded[i]:
             return False
-    from numpy import frombuffer, maximum
-
-    largest = maximum.reduce  # (ndarray.max adds a Python frame per call)
-    for offset, count, unsigned, signed, top, signed_top in plan.values:
-        bits = frombuffer(data, unsigned, count, offset)
-        if largest(bits) >= top or largest(bits.view(signed)) >= signed_top:
-            return False
-    return True
+    return all(holds_none(data, offset, count, test) for offset, count, test in plan.values)
 
 
 def read_twin(src: Source, path: str, twin: FileMeta, directory: ZipDirectory,

@@ -49,8 +49,8 @@ CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
 class Template:
-    __slots__ = ("_checks", "_records_end", "crc_offsets", "directory", "patterns", "plans", "records", "spans",
-                 "twins")
+    __slots__ = ("_checks", "_crcs", "_records_end", "crc_offsets", "directory", "patterns",
+                 "plans", "records", "spans", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
                  directory: ZipDirectory, records: tuple[tuple[int, int], ...],
@@ -64,6 +64,7 @@ class Template:
         self.records = records  # (start, end) in the file of each record the reader reads
         self.twins: dict[bytes, FileMeta] = {}  # by record_bytes(): a sound file's FileMeta
         self.crc_offsets = crc_offsets  # where each entry's CRC32 sits in the central directory
+        self._crcs = _unpacker(crc_offsets)  # all of them in one unpack from a whole file
         self.plans: dict[bytes, object] = {}  # by record_bytes(): a deep twin's TwinPlan, or None
 
     def prefix(self, windows: tuple[Window, ...]) -> str | None:
@@ -116,9 +117,9 @@ class Template:
         """The CRC32 the central directory records for each entry of a file that matched this
         layout, in directory order; None when the windows miss one."""
         base, data = windows[0]
-        offsets = self.crc_offsets  # (ascending: the directory's entries in order)
-        if base == 0 and offsets and offsets[-1] + 4 <= len(data):  # the whole file: no search
-            return tuple(int.from_bytes(data[at : at + 4], "little") for at in self.crc_offsets)
+        offsets = self.crc_offsets
+        if base == 0 and self._crcs is not None and offsets[-1] + 4 <= len(data):  # whole file
+            return self._crcs.unpack_from(data, offsets[0])
         found = []
         for at in self.crc_offsets:
             data, base = _holding(windows, at, 4)
@@ -126,6 +127,18 @@ class Template:
                 return None
             found.append(int.from_bytes(data[at - base : at - base + 4], "little"))
         return tuple(found)
+
+
+def _unpacker(offsets: tuple[int, ...]) -> struct.Struct | None:
+    """One Struct reading the little-endian u32 at each of `offsets`, from the first on; None
+    when there are none, or they are not ascending (the directory's entries in order)."""
+    layout, cursor = ["<"], offsets[0] if offsets else 0
+    for at in offsets:
+        if at < cursor:
+            return None
+        layout.append(f"{at - cursor}xI")
+        cursor = at + 4
+    return struct.Struct("".join(layout)) if offsets else None
 
 
 def _holding(windows: tuple[Window, ...], at: int, n: int) -> tuple[bytes | None, int]:
