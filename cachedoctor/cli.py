@@ -757,7 +757,7 @@ def purge(
         for why in p.failed:
             say(f"cachedoctor: {why}", err=True)
         say(f"Purged run {p.target.run_id} in {p.target.root}: {p.target.files} file(s), "
-                   f"{human_bytes(p.target.bytes)} freed" + (" (not all: see above)." if p.failed else "."))
+            f"{human_bytes(p.target.bytes)} freed" + (" (not all: see above)." if p.failed else "."))
     raise typer.Exit(EXIT_FINDINGS if any(p.failed for p in done) else 0)
 
 

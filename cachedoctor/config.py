@@ -112,6 +112,9 @@ def find(start: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         # a regular file only, opened without blocking, of a config's size: the API may be
@@ -131,9 +134,6 @@ def _read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
     except ValueError as exc:  # an integer of more digits than int() takes
         raise ConfigError(f"{path}: invalid TOML: {str(exc).split(';')[0]}") from None
-
-
-MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def load(path: str | os.PathLike) -> Config:

@@ -184,8 +184,7 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     recorded = state.recorder.files.append  # (index.Recorder.files says what each holds)
     roles = index.recorded_roles(batch.area) if scope else ()
     # (asked per latent only of a naming whose facts may come from another file)
-    own_facts = None if type(naming).facts_of_its_own is not DirectoryNaming.facts_of_its_own \
-        else True
+    own_facts = type(naming).facts_of_its_own is DirectoryNaming.facts_of_its_own
     for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
         files += 1
         found_before = len(findings)

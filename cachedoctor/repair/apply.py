@@ -321,11 +321,7 @@ def _rewrite(step: _Step, encoder: Encoder | None) -> Outcome:
     new, original, kind = rewrite.rewrite(data, step.paths.path, compact)
     folder, temp = step.folder(), os.path.basename(step.paths.temp)
     atomic.write_new(temp, new, like=before, dir_fd=folder)
-    fd = confined.open_file(folder, temp)
-    try:
-        written = confined.read_fd(fd)
-    finally:
-        os.close(fd)
+    written = confined.read_at(folder, temp)
     rewrite.verify(original, written, step.paths.path, kind, compact)
     step.update(READY, sha_after=atomic.sha256_bytes(written))
     quarantine, kept_name = step.quarantine_folder(), os.path.basename(step.paths.quarantine)
@@ -360,11 +356,7 @@ def _reencode(step: _Step, encoder: Encoder | None) -> Outcome:
     data, latent, besides = reencode.encode(action.target, encoder, kept)
     temp = os.path.basename(step.paths.temp)
     atomic.write_new(temp, data, dir_fd=folder)
-    fd = confined.open_file(folder, temp)
-    try:
-        written = confined.read_fd(fd)
-    finally:
-        os.close(fd)
+    written = confined.read_at(folder, temp)
     reencode.verify(action.target, written, latent, besides)
     step.update(READY, sha_after=atomic.sha256_bytes(data))
     atomic.link_new_at(folder, temp, step.name)
@@ -375,15 +367,10 @@ def _reencode(step: _Step, encoder: Encoder | None) -> Outcome:
 def _replaced(step: _Step) -> bytes:
     """The bytes of the entry a reencode replaces: this run's quarantine action moved it to the
     quarantine, under the same name (ActionPaths.quarantine has no sequence number)."""
-    folder, name = step.quarantine_folder(), os.path.basename(step.paths.quarantine)
     try:
-        fd = confined.open_file(folder, name)
+        return confined.read_at(step.quarantine_folder(), os.path.basename(step.paths.quarantine))
     except FileNotFoundError:
         raise Skip("the entry it replaces is not in this run's quarantine") from None
-    try:
-        return confined.read_fd(fd)
-    finally:
-        os.close(fd)
 
 
 STEPS = {QUARANTINE: _quarantine, COMPACT: _rewrite, TO_CPU: _rewrite, REENCODE: _reencode}

@@ -111,3 +111,12 @@ def read_fd(fd: int) -> bytes:
     while chunk := os.read(fd, 1 << 24):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def read_at(dir_fd: int, name: str) -> bytes:
+    """Every byte of `name` in `dir_fd` (open_file's refusals apply)."""
+    fd = open_file(dir_fd, name)
+    try:
+        return read_fd(fd)
+    finally:
+        os.close(fd)
