@@ -28,14 +28,12 @@ longer makes.
 from __future__ import annotations
 
 import os
-import re
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.formats.meta import FileMeta
-from cachedoctor.layouts.musubi import VIDEO_LATENT, latent_frames
+from cachedoctor.layouts.musubi import VIDEO_LATENT, latent_frames, main_latents
 from cachedoctor.rule import Rule, RuleContext
 
-MAIN_KEY = re.compile(r"^latents_(?P<f>\d+)x\d+x\d+_[a-z0-9_]+$")
 # FramePack caches a clip as sections (`<stem>_<pos>-<frames>-<section>_...`), each latent one
 # window of `fp_latent_window_size` latent frames, not the whole clip (fpack_cache_latents.py,
 # kohya-ss/musubi-tuner 30c658c4): its frame axis says nothing about the clip's frame count.
@@ -44,11 +42,7 @@ SECTIONED = frozenset({"framepack"})
 
 def _latent_axis(meta: FileMeta) -> int | None:
     """The frame axis of the main latent `latents_<F>x<H>x<W>_<dtype>` ([C, F, H, W])."""
-    for tensor in meta.tensors:
-        if (len(tensor.path) == 1 and isinstance(tensor.path[0], str)
-                and MAIN_KEY.match(tensor.path[0]) and len(tensor.shape) == 4):
-            return tensor.shape[1]
-    return None
+    return next((t.shape[1] for t in main_latents(meta) if len(t.shape) == 4), None)
 
 
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:

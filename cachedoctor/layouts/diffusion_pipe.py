@@ -182,10 +182,9 @@ def _datasets(config: ConfigFile, model_type: str | None, problems: Problems, fi
         caches = [(ident, cache)]
         if model_type:
             named = os.path.join(cache, MODEL_NAMES.get(model_type, model_type))
-            models = [] if os.path.isdir(named) else model_folders(cache)
             if os.path.isdir(named):
                 caches = [(ident, named)]
-            elif len(models) > 1:
+            elif len(models := model_folders(cache)) > 1:
                 # the class name is not the type (Wan: wan_i2v, wan2.2_5b, skyreels_v2; LTX:
                 # the checkpoint's stem): each model's cache is judged apart, never compared
                 caches = [(f"{ident} ({m})", os.path.join(cache, m)) for m in models]

@@ -29,10 +29,11 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cachedoctor.formats import read_path
-from cachedoctor.formats.meta import FileMeta
+from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.layouts.base import (
     CacheFacts,
     Dataset,
@@ -500,13 +501,17 @@ class _Directory(DirectoryNaming):
         return facts
 
 
+def main_latents(meta: FileMeta) -> Iterator[TensorMeta]:
+    """The tensors of a musubi latent cache under the main key `latents_<F>x<H>x<W>_<dtype>`
+    ([C, F, H, W]), in the file's order."""
+    return (t for t in meta.tensors if len(t.path) == 1 and isinstance(t.path[0], str)
+            and MAIN_LATENT_KEY.match(t.path[0]))
+
+
 def _main_latent(meta: FileMeta) -> tuple[int, int] | None:
-    """(h, w) of the `latents_<F>x<H>x<W>_<dtype>` tensor, read as [C, F, H, W]."""
-    for tensor in meta.tensors:
-        key = tensor.path[0] if len(tensor.path) == 1 else None
-        if isinstance(key, str) and MAIN_LATENT_KEY.match(key) and len(tensor.shape) >= 2:
-            return tensor.shape[-2], tensor.shape[-1]
-    return None
+    """(h, w) of the main latent."""
+    return next(((t.shape[-2], t.shape[-1]) for t in main_latents(meta) if len(t.shape) >= 2),
+                None)
 
 
 class _Entries(Entries):
