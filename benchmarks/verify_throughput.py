@@ -1,7 +1,6 @@
 """How many images per second `cachedoctor verify` encodes, with an SDXL-sized VAE.
 
     python benchmarks/verify_throughput.py [--size 256] [--device cpu|cuda] [--batch 8] [--n 16]
-                                           [--dtype float32|float16]
 
 The VAE is an AutoencoderKL with SDXL's VAE architecture (block_out_channels 128/256/512/512,
 two layers per block, factor 8) and random weights: encoding costs what the real one costs,
@@ -11,7 +10,8 @@ encodes (PNG decode, resize, crop: repair/reencode.pixels). It counts the encode
 image (torch.utils.flop_counter), so that a measurement on one machine can be carried to
 another: images/s there ≈ that machine's sustained FLOP/s ÷ FLOPs per image.
 
-A verified entry costs one encode; an entry that does not match up to 13 more (mirrored, and
+verify loads the VAE as diffusers does by default, in float32 (whatever dtype its weights were
+saved in), so that is what this measures. A verified entry costs one encode; an entry that does not match up to 13 more (mirrored, and
 12 neighbouring crops where the resized image leaves room). Needs diffusers (pip install 'cachedoctor[diffusers]').
 """
 
@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--n", type=int, default=16, help="images to encode")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     args = parser.parse_args()
 
     import torch
@@ -48,7 +47,7 @@ def main() -> None:
                             up_block_types=("UpDecoderBlock2D",) * 4,
                             block_out_channels=(128, 256, 512, 512), layers_per_block=2,
                             latent_channels=4, sample_size=1024, scaling_factor=0.13025)
-        vae.to(getattr(torch, args.dtype)).save_pretrained(tmp)
+        vae.save_pretrained(tmp)
         encoder = resolve(f"diffusers:{tmp}")
         fresh = Fresh(encoder, args.device, args.batch)
         fresh.prepare()
@@ -68,10 +67,10 @@ def main() -> None:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         with FlopCounterMode(display=False) as counter, torch.no_grad():
-            x = images[0][None].to(args.device).to(vae.dtype) / 127.5 - 1
+            x = images[0][None].to(args.device).float() / 127.5 - 1
             encoder.vae.encode(x)
         flops = counter.get_total_flops()
-    print(f"{side}x{side} {args.dtype} on {args.device}, batch {args.batch}: "
+    print(f"{side}x{side} float32 on {args.device}, batch {args.batch}: "
           f"{args.n / seconds:.2f} images/s encoding ({flops / 1e9:.1f} GFLOP per image, "
           f"{flops * args.n / seconds / 1e12:.3f} TFLOP/s sustained); "
           f"pixels (PNG decode, resize, crop) {pixel_s * 1000:.1f} ms per image")

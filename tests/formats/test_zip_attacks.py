@@ -34,10 +34,12 @@ from cachedoctor.formats.zipdir import read_directory
 from conftest import codes, run_cli, scan_paths
 
 ERRORS = {"CD101", "CD105"}
+# The global a pickle of builtins.open names: io.open up to Python 3.11, _io.open from 3.12.
+OPEN = f"{open.__module__}.open"
 
 
 class Payload:
-    """Creates `marker` when unpickled for real (builtins.open pickles as io.open)."""
+    """Creates `marker` when unpickled for real (builtins.open pickles as OPEN)."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = str(marker)
@@ -114,7 +116,7 @@ def test_a_case_twin_of_data_pkl_is_judged(paths, tmp_path):
     # takes DATA.PKL here, where zipfile (and the scan before) took data.pkl
     assert child_ran or torch.__version__ < "2"
     meta = read_path(str(path))
-    assert "io.open" in meta.unsafe_globals
+    assert OPEN in meta.unsafe_globals
     assert any("name one record" in e for e in meta.errors)
     judged_hostile(path, marker, tmp_path)
 
@@ -126,7 +128,7 @@ def test_a_case_twin_wrapped_in_gzip(paths, tmp_path):
     path = cache / "a.pt"
     path.write_bytes(gzip.compress(inner))
     meta = read_path(str(path))
-    assert "io.open" in meta.unsafe_globals and meta.errors
+    assert OPEN in meta.unsafe_globals and meta.errors
     judged_hostile(path, marker, tmp_path)
 
 
@@ -136,7 +138,7 @@ def test_data_pkl_twice_under_one_name(paths, tmp_path):
     path = cache / "a.pt"
     path.write_bytes(rezip(saved(torch.ones(3)), extra=[("archive/data.pkl", evil)]))
     meta = read_path(str(path))
-    assert "io.open" in meta.unsafe_globals
+    assert OPEN in meta.unsafe_globals
     assert any("twice" in e for e in meta.errors)
     judged_hostile(path, marker, tmp_path)
 
@@ -152,7 +154,7 @@ def test_data_pkl_only_under_another_case(paths, tmp_path):
     path.write_bytes(data)
     ran = unsafe_load(path, marker, TORCH_LOAD)
     meta = read_path(str(path))
-    assert "io.open" in meta.unsafe_globals, meta
+    assert OPEN in meta.unsafe_globals, meta
     assert ran
     judged_hostile(path, marker, tmp_path)
 
@@ -167,7 +169,7 @@ def test_a_pickle_member_of_a_plain_zip_is_unpickled_restricted(paths, tmp_path,
     code = f"import sys, zipfile, pickle; pickle.loads(zipfile.ZipFile(sys.argv[1]).read({name!r}))"
     assert unsafe_load(path, marker, code)
     meta = read_path(str(path))
-    assert meta.unsafe_globals == ("io.open",)
+    assert meta.unsafe_globals == (OPEN,)
     judged_hostile(path, marker, tmp_path)
 
 
@@ -184,7 +186,7 @@ def test_an_encrypted_flag_hides_nothing(paths, tmp_path):
     path = cache / "blob.zip"
     path.write_bytes(bytes(data))
     assert zipfile.ZipFile(path).infolist()[0].flag_bits & 1
-    assert read_path(str(path)).unsafe_globals == ("io.open",)
+    assert read_path(str(path)).unsafe_globals == (OPEN,)
     judged_hostile(path, marker, tmp_path)
 
 
@@ -206,7 +208,7 @@ def test_npz_duplicate_member_last_one_wins(paths, tmp_path):
     path = cache / "a_0512x0512_sd.npz"
     path.write_bytes(rezip(benign.getvalue(), extra=[("latents.npy", evil.getvalue())]))
     assert unsafe_load(path, marker, NP_LOAD)  # zipfile's NameToInfo: the last one wins
-    assert "io.open" in read_path(str(path)).unsafe_globals
+    assert OPEN in read_path(str(path)).unsafe_globals
     judged_hostile(path, marker, tmp_path)
 
 
@@ -389,7 +391,7 @@ def test_a_pickle_member_of_an_npz(paths, tmp_path):
     np.savez(out, latents=np.zeros((4, 8, 8), np.float16))
     path = cache / "a_0512x0512_sd.npz"
     path.write_bytes(rezip(out.getvalue(), extra=[("extra", pickle.dumps(Payload(marker)))]))
-    assert "io.open" in read_path(str(path)).unsafe_globals
+    assert OPEN in read_path(str(path)).unsafe_globals
     judged_hostile(path, marker, tmp_path)
 
 
@@ -426,7 +428,7 @@ def test_a_protocol_0_pickle_is_found_by_its_name(paths, tmp_path):
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("model/config.pkl", pickle.dumps(Payload(marker), protocol=0))
         zf.writestr("table.dat", bytes(4096))  # a data file: not taken for a pickle
-    assert read_path(str(path)).unsafe_globals == ("io.open",)
+    assert read_path(str(path)).unsafe_globals == (OPEN,)
     judged_hostile(path, marker, tmp_path)
 
 
