@@ -11,8 +11,9 @@ image (torch.utils.flop_counter), so that a measurement on one machine can be ca
 another: images/s there ≈ that machine's sustained FLOP/s ÷ FLOPs per image.
 
 verify loads the VAE as diffusers does by default, in float32 (whatever dtype its weights were
-saved in), so that is what this measures. A verified entry costs one encode; an entry that does not match up to 13 more (mirrored, and
-12 neighbouring crops where the resized image leaves room). Needs diffusers (pip install 'cachedoctor[diffusers]').
+saved in), so that is what this measures. A verified entry costs one encode; an entry that
+does not match up to 13 more (mirrored, and 12 neighbouring crops where the resized image
+leaves room). Needs diffusers (pip install 'cachedoctor[diffusers]').
 """
 
 from __future__ import annotations
