@@ -64,8 +64,26 @@ FILE_BROWSER_FILES = frozenset({".DS_Store", "Thumbs.db", "ehthumbs.db", "deskto
                                 ".directory", "Icon\r"})
 
 
+# what an editor leaves beside a file it has open or has saved: vim's swap files
+# (`.<name>.swp`, then .swo ... .swa), emacs's lock (`.#<name>`, a symlink to user@host.pid that
+# dangles by design), its auto-save `#<name>#`, and the `<name>~` backups of both. A user who
+# opened a bucket JSON or a caption in the cache folder leaves them; no trainer lists them.
+EDITOR_FILE = re.compile(r"^(\..+\.sw[a-p]|\.#.+|#.+#|.+~)$", re.DOTALL)
+
+
 def file_browser_file(name: str) -> bool:
-    return name in FILE_BROWSER_FILES or name.startswith("._")
+    """Whether `name` is a file a file browser or an editor left: no file of the cache, unless
+    it also ends like one (`cache_name`)."""
+    return name in FILE_BROWSER_FILES or name.startswith("._") or bool(EDITOR_FILE.match(name))
+
+
+def cache_name(name: str) -> bool:
+    """Whether a trainer that lists its cache by extension would take `name` for a cache file.
+    SimpleTuner lists with os.walk and endswith (data_backend/local.py list_files), dotfiles
+    included, and torch.loads every .pt it listed when it scans its cache: a `._<name>.pt` is
+    read like any other, so it is judged like any other."""
+    lower = name.lower()
+    return lower[lower.rfind("."):] in CACHE_EXTENSIONS if "." in lower else False
 
 
 # folders the system keeps on a drive, not the user's data: the trash of freedesktop
@@ -105,7 +123,9 @@ def in_text_dir(parent: str) -> bool:
 def _role(name: str, text_dir: bool) -> str:
     lower = name.lower()
     ext = lower[lower.rfind(".") :] if "." in lower else ""
-    if ext in CACHE_EXTENSIONS:  # most files: tested first, and no temp pattern has these
+    if ext in CACHE_EXTENSIONS and not lower.startswith("._"):
+        # most files: tested first, and no temp pattern has these. (A Finder `._<name>` is
+        # read, since trainers listing by extension read it, but is no entry of the cache.)
         if lower == "aggregate.pt":
             return METADATA
         if text_dir or TEXT_PATTERN.match(lower):
@@ -217,7 +237,7 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                     errors.append((child.path, describe_os_error(exc)))
                     continue
                 if is_file:
-                    if file_browser_file(child.name):
+                    if file_browser_file(child.name) and not cache_name(child.name):
                         continue
                     if mine is None or mine(child.name):
                         name = child.name
@@ -253,7 +273,8 @@ def batches(root: str, *, dataset: str | None = None, area: str = "cache", size:
                         continue
                     seen.add(key)
                     stack.append(child.path)
-                elif child.is_symlink():  # neither file nor dir: dangling, or a loop
+                elif child.is_symlink() and not file_browser_file(child.name):
+                    # neither file nor dir: dangling, or a loop
                     errors.append((child.path, _link_error(child.path)))
                 # sockets, FIFOs and devices are no cache files and must never be opened
         if names or (errors and (shard is None or shard[0] == 0)):

@@ -6,6 +6,7 @@ SimpleTuner project and stray caches side by side. Nothing there may judge its n
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,41 @@ def test_one_musubi_dataset_cached_for_two_models_is_no_mix(tmp_path: Path) -> N
     age_all(project.root)
     for target in (shared, project.root / "cache", tmp_path / "disk", project.config):
         assert scan_paths(target).findings == (), target
+
+
+def test_an_editor_s_leftovers_in_a_cache_are_no_files_of_it(tmp_path: Path) -> None:
+    # vim's swap file, emacs's lock (a symlink that dangles by design), auto-save and backups,
+    # left by a user who opened a caption or a bucket JSON inside the cache folder
+    cache = tmp_path / "latents"
+    device_tagged.build(cache, "cpu", name="0000")
+    (cache / ".buckets.json.swp").write_bytes(b"b0VIM 9.0\x00" + bytes(64))
+    (cache / ".#buckets.json").symlink_to("user@host.4242:1764150000")
+    (cache / "#buckets.json#").write_text("{}")
+    (cache / "buckets.json~").write_text("{}")
+    assert scan_paths(cache).findings == ()
+    (cache / "latest.pt").symlink_to("gone/0001.pt")  # a trainer's own name that dangles
+    assert [(f.code, Path(f.path).name) for f in scan_paths(cache).findings] == [
+        ("CD001", "latest.pt")]
+
+
+def test_a_finder_file_under_a_cache_name_is_read_like_any_other(tmp_path: Path) -> None:
+    """SimpleTuner lists its cache with os.walk and endswith(".pt"), dotfiles included, and
+    torch.loads every file it listed when it scans the cache (data_backend/local.py list_files,
+    caching/vae.py scan_cache_contents, bghira/SimpleTuner@HEAD of 2026-11): a `._<name>.pt`
+    holding a pickle is judged, while the resource fork Finder really writes there is not."""
+    cache = tmp_path / "latents"
+    (made,) = device_tagged.build(cache, "cpu", name="0000")
+    fork = cache / f"._{made.name}"
+    fork.write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(4000))
+    assert scan_paths(cache).findings == ()
+    assert scan_paths(cache, deep=True).findings == ()
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    fork.write_bytes(pickle.dumps(Payload()))
+    assert [(f.code, f.path) for f in scan_paths(cache).findings] == [("CD105", str(fork))]
 
 
 def test_a_killed_rsync_s_temp_file_is_a_leftover_not_a_broken_entry(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from cachedoctor.formats import (
     zip_templates,
 )
 from cachedoctor.formats.meta import (
+    APPLEDOUBLE,
     ARROW,
     EMPTY,
     IMAGE,
@@ -103,6 +104,11 @@ def extension_format(path: str) -> str | None:
 
 
 SNIFF_BYTES = 4096  # what sniff() looks at, at most
+APPLEDOUBLE_MAGIC = b"\x00\x05\x16\x07"  # AppleDouble's magic number (RFC 1740)
+
+
+def _base(path: str) -> str:
+    return path[path.rfind(os.sep) + 1:]
 
 
 def _padded_safetensors(head: bytes, size: int) -> bool:
@@ -181,6 +187,10 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
     if at != 0 or (len(head) < min(src.size, SNIFF_BYTES) and not head.startswith(b"PK")):
         head = src.pread(0, SNIFF_BYTES)  # (spans of a zip layout, but no zip)
     fmt = sniff(head, src.size)
+    if fmt == UNKNOWN and head.startswith(APPLEDOUBLE_MAGIC) and _base(path).startswith("._"):
+        # a cache-like name the walk keeps (a trainer listing by extension reads it); these
+        # bytes are the resource fork Finder wrote, which no loader gets anything from
+        return FileMeta(path, src.size, APPLEDOUBLE)
     if fmt == GZIP:
         return _read_gzip(src, path, deep, templates)
     if fmt == ZIP:

@@ -25,6 +25,9 @@ IMAGE = "image"
 TEXT = "text"
 JSON = "json"
 UNKNOWN = "unknown"
+# Finder's `._<name>` beside a file copied to exFAT or an SMB share: its resource fork. Every
+# loader fails on its first byte (no zip, no pickle opcode, a safetensors length past the file).
+APPLEDOUBLE = "appledouble"
 ARROW = "arrow"  # an Arrow IPC stream or file (🤗 datasets caches): a table, no tensors
 PARQUET = "parquet"  # a Parquet file (diffusers' flux_lora_quantization embeddings): a table
 
