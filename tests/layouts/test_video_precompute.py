@@ -10,6 +10,8 @@ dtypes and devices below are what they saved:
   encode_video packs the latent into a sequence), "num_frames", "height", "width", "fps"}`,
   scripts/process_captions.py `{"prompt_embeds": [128, 4096], "prompt_attention_mask": [128]
   bool}`, each `.cpu().contiguous()`.
+  The dataset dir itself is the dataset's (src/ltxv_trainer/datasets.py PrecomputedDataset
+  takes it for `.precomputed/`).
 - finetrainers (a-r-r-o-w/finetrainers f476c37): finetrainers/data/precomputation.py
   `_save_item` writes `<precomputation_dir>/finetrainers-precomputed-data/{condition,latent}-<i>.pt`
   straight from the GPU (the LTX and Wan processors of models/*/base_specification.py and
@@ -79,6 +81,35 @@ def test_ltx_video_trainer_truncated_latent_is_still_cd101(tmp_path: Path) -> No
     broken = pre / "latents" / "videos" / "clip_a.pt"
     broken.write_bytes(broken.read_bytes()[:3000])
     assert [(c, name) for c, name, _ in severe(scan_paths(pre))] == [("CD101", "clip_a.pt")]
+
+
+def test_ltx_video_trainer_dataset_dir_scans_clean(tmp_path: Path) -> None:
+    """The dataset dir (which `data.preprocessed_data_root` may name) holds the dataset file
+    beside `.precomputed/`: its files are the dataset's, not strays of a cache (CD107); with
+    `--decode`, `.precomputed/decoded_videos/` mirrors the media."""
+    root = tmp_path / "ds"
+    pre = ltx_dataset(root)
+    (root / "dataset.csv").write_text("caption,media_path\na clip,videos/clip_a.mp4\n")
+    for media, *_ in LTX_MEDIA:
+        decoded = pre / "decoded_videos" / media
+        decoded.parent.mkdir(parents=True, exist_ok=True)
+        decoded.write_bytes((root / media).read_bytes())
+    for deep in (False, True):
+        assert severe(scan_paths(root, deep=deep)) == []
+    assert severe(scan_paths(tmp_path)) == []  # a folder of dataset dirs
+
+
+def test_ltx_video_trainer_dataset_dir_still_judges_its_caches(tmp_path: Path) -> None:
+    """A stray image among the latents is CD107 and a truncated latent CD101, scanned from the
+    dataset dir as from `.precomputed/`."""
+    root = tmp_path / "ds"
+    pre = ltx_dataset(root)
+    (pre / "latents" / "videos" / "frame.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    broken = pre / "conditions" / "videos" / "clip_c.pt"
+    broken.write_bytes(broken.read_bytes()[:3000])
+    for target in (root, pre):
+        assert sorted((c, name) for c, name, _ in severe(scan_paths(target))) == [
+            ("CD101", "clip_c.pt"), ("CD107", "frame.png")], target
 
 
 def finetrainers_items(folder: Path, model: str, prefix: str = "", on: str = "cuda:0") -> None:
