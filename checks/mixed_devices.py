@@ -13,7 +13,8 @@ or a GPU and a CPU caching pass); which device a sample loads onto then depends 
 
 Not reported where the trainer's loader passes `map_location` (SimpleTuner: `"cpu"`; OneTrainer's
 mgds: its `train_device`; a OneTrainer cache scanned without its config, known by its
-`aggregate.pt` files): every tensor then lands on that one device, whatever it was saved from.
+`aggregate.pt` files; finetrainers' `finetrainers-precomputed-data/`, whose Wan items hold CUDA
+latents beside CPU means): every tensor then lands on that one device, whatever it was saved from.
 kohya's npz, ai-toolkit's safetensors and 🤗 datasets' Arrow files record no device at all. A
 cache no trainer config describes (its loader unknown) is judged as a plain `torch.load` would
 load it, each folder of cache files on its own (a folder of several projects holds caches that

@@ -13,7 +13,8 @@ tensors with live ones fails with `Expected all tensors to be on the same device
 Not reported where the trainer's loader passes `map_location`, since every tensor then lands
 where the trainer wants it, whatever it was saved from: SimpleTuner loads its caches with
 `map_location="cpu"`, OneTrainer's mgds with `map_location=<train_device>` (so does a OneTrainer
-cache scanned without its config, known by its `aggregate.pt` files). kohya's npz, ai-toolkit's
+cache scanned without its config, known by its `aggregate.pt` files), finetrainers its
+`finetrainers-precomputed-data/` items with `map_location=<its rank's device>`. kohya's npz, ai-toolkit's
 safetensors and 🤗 datasets' Arrow files record no device. A warning in a cache no trainer
 config describes: its loader is unknown, and a plain `torch.load` puts the tensors back on the
 saving device.

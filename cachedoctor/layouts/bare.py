@@ -22,6 +22,11 @@ semantics then apply:
   images or videos is a musubi-tuner media dir with its caches, where the media belong;
 - a diffusion-pipe `[[directory]]` folder (`cache/<model>/metadata/grouping_keys.json`): the
   media belong, `cache/` holds every model's sharded caches.
+- an LTX-Video-Trainer dataset dir (`.precomputed/latents`, `conditions`): its own files (the
+  dataset file, media) belong, `.precomputed/` is a bare tree of caches;
+- finetrainers' `finetrainers-precomputed-data/` (and its older `*_precomputed/latents/`,
+  `conditions/`): no bucket; saved from the GPU and loaded with a map_location, so the devices
+  tensors were saved from are not judged (layouts/finetrainers.py).
 
 A tree is not one dataset: every folder that holds cache files is a dataset of its own (the
 dataset rules compare files of one dataset only), so that `cache/vae/sdxl/photos` and
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.inventory import LATENT, TEXT, classify
-from cachedoctor.layouts import aitoolkit, diffusion_pipe, kohya, musubi, onetrainer
+from cachedoctor.layouts import aitoolkit, diffusion_pipe, finetrainers, kohya, ltx_video, musubi, onetrainer
 from cachedoctor.layouts.base import ANY_DEVICE, NO_FACTS, CacheFacts, Dataset, DirectoryNaming, Layout, Naming, frozen
 from cachedoctor.layouts.common import listdir, names, subdirs
 
@@ -74,6 +79,13 @@ def layout(path: str) -> Layout:
         return Layout("bare", None, (dataset,))
     if isdir and diffusion_pipe.dataset_folder(path):
         return Layout("bare", None, diffusion_pipe.bare_datasets(path, name))
+    if isdir and ltx_video.dataset_folder(path):
+        # its own files (dataset file, media) are the dataset's; `.precomputed/` is judged as
+        # a bare tree of its own (layouts/ltx_video.py)
+        pre = os.path.join(path, ltx_video.PRECOMPUTED_DIR)
+        dataset = Dataset(name, cache_dirs=(pre,), image_dirs=(path,), shallow_image_dirs=(path,),
+                          caches_beside_images=True, naming=BareNaming(frozen({}), pre))
+        return Layout("bare", None, (dataset,))
     if isdir and os.path.basename(path) == aitoolkit.LATENT_DIR:
         return _aitoolkit(path, os.path.dirname(path), (path,))
     latent_caches = _aitoolkit_caches(path) if isdir else []
@@ -268,6 +280,9 @@ class _Directory(DirectoryNaming):
         self.folder = CacheFacts(bucket=self.bucket)  # made once: most files get exactly this
         if base == aitoolkit.LATENT_DIR:
             self.kind = "ai-toolkit"
+        elif finetrainers.precomputed_folder(path):
+            # saved from the GPU, loaded with map_location (layouts/finetrainers.py)
+            self.expected_device = ANY_DEVICE
         elif onetrainer.sample_folder(path):
             self.kind = "onetrainer"
             # mgds' `<sha256>/variation-<n>`, or `image/epoch-<n>` and `text/epoch-<n>` before
