@@ -488,20 +488,24 @@ class _Directory(DirectoryNaming):
         if match is None:
             stem = name[:-4]
             # SD/SDXL read a legacy npz's unsuffixed keys (strategy_sd.py get_latents_npz_path)
-            lacks = lacking_flip(None, meta, None) if self.naming.skip_cache_check and \
-                self.naming.flip_aug else None
+            naming = self.naming
             # a legacy <stem>.npz names no size: kohya reads it from the image's header
             # (imagesize.get), as here, when the bucket settings are known
             size = self._image_size(stem) if buckets is not None else None
             if size is None:
-                return CacheFacts(key=self.prefix + stem, naming="legacy", lacks=lacks)
+                return CacheFacts(key=self.prefix + stem, naming="legacy", lacks=lacking(
+                    None, meta, None, naming.skip_cache_check, naming.flip_aug))
             bw, bh = buckets.select(*size)
             return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
-                              expected=(bh // 8, bw // 8), naming="legacy", lacks=lacks)
+                              expected=(bh // 8, bw // 8), naming="legacy", lacks=lacking(
+                                  None, meta, (bh // 8, bw // 8), naming.skip_cache_check,
+                                  naming.flip_aug))
         stem, arch = match["stem"], match["arch"]
         width, height = int(match["w"]), int(match["h"])
         if buckets is None or width == 0 or height == 0:
-            return CacheFacts(key=self.prefix + stem, family=arch)
+            # no bucket: an SD/SDXL file's one `latents` is the one loaded all the same
+            return CacheFacts(key=self.prefix + stem, family=arch,
+                              lacks=lacking(arch, meta, None, False, False))
         stride = STRIDE.get(arch, 8)
         skip = self.naming.skip_cache_check or arch in self.naming.skip_archs
         judged = []
@@ -510,7 +514,7 @@ class _Directory(DirectoryNaming):
             expected = (bh // stride, bw // stride)
             facts = CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}", expected=expected,
                                family=arch, shape=loaded_shape(arch, meta, expected, skip),
-                               lacks=lacking_flip(arch, meta, expected) if skip and flip else None)
+                               lacks=lacking(arch, meta, expected, skip, flip))
             judged.append(facts)
             if _fails(facts, meta):
                 # sd-scripts loads the file for every dataset of the dir: the first one it
@@ -549,6 +553,7 @@ def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
 RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
 SUFFIX = re.compile(r"_\d+x\d+$")  # a multi-resolution key's `_<h>x<w>`
 MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
+LOADED_WITH = ("original_size", "crop_ltrb")  # read with every latent sd-scripts loads
 FLIPPED = "latents_flipped"  # with flip_aug: the latent of the image mirrored left to right
 
 
@@ -605,22 +610,30 @@ def loaded_key(arch: str | None, latents: dict[str, TensorMeta],
     return None
 
 
-def lacking_flip(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None) -> str | None:
-    """CacheFacts.lacks of an npz that sd-scripts trusts as it is (skip_cache_check) for a
-    subset with flip_aug: the flipped key of the latent it loads (`latents_flipped` plus that
-    latent's suffix) when the file lacks it; None when it holds it, or no latent it loads.
+def lacking(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None,
+            skip_cache_check: bool, flip_aug: bool) -> str | None:
+    """CacheFacts.lacks of a kohya npz: a key that sd-scripts reads from the latent it loads
+    from this file (the one `loaded_key` names), once it has judged the file valid, and that
+    the file lacks; None when it holds them all, or no latent sd-scripts loads.
 
-    `_default_load_latents_from_disk` (strategy_base.py, 48d368fa; PR #2269's 58f7b4cd alike)
-    gives None for a missing `latents_flipped<suffix>`, and BaseDataset.__getitem__
-    (train_util.py) takes it for the latent of every sample it flips (half of them, at random):
-    `torch.FloatTensor(None)` raises TypeError. Without skip_cache_check the missing key makes
-    `is_disk_cached_latents_expected` false and the image is encoded again, the key added."""
+    `_default_is_disk_cached_latents_expected` (strategy_base.py, 48d368fa) looks only for
+    `latents<suffix>` (and `latents_flipped<suffix>` with flip_aug, `alpha_mask<suffix>` with
+    alpha_mask); `_default_load_latents_from_disk` then reads `original_size<suffix>` and
+    `crop_ltrb<suffix>` unconditionally: a file without one stops training with `KeyError:
+    '<key> is not a file in the archive'` (an npz of the 2023-06/07 `crop_left_top` naming,
+    9e9df2b5 to 0ec71660, is one). With flip_aug, a missing `latents_flipped<suffix>` makes the
+    check false and the image is encoded again, the key added; under skip_cache_check the file is
+    trusted, the flipped latent loads as None, and BaseDataset.__getitem__ (train_util.py) takes
+    it for every sample it flips: `torch.FloatTensor(None)` raises TypeError. (The subset's
+    alpha_mask, which also sends a file without its mask to be encoded again, is not read here.)"""
     key = loaded_key(arch, _latents(meta), expected)
     if key is None:
         return None
-    flipped = "latents_flipped" + key.removeprefix("latents")
+    suffix = key.removeprefix("latents")
     held = {t.path[0] for t in meta.tensors if len(t.path) == 1}
-    return None if flipped in held else flipped
+    if flip_aug and FLIPPED + suffix not in held:
+        return FLIPPED + suffix if skip_cache_check else None
+    return next((k + suffix for k in LOADED_WITH if k + suffix not in held), None)
 
 
 class _Entries(Entries):
