@@ -108,8 +108,9 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
             yield RULE.finding(s.path, _lacking(s), ctx, bucket=s.bucket, missing=s.lacks)
             continue
         (h, w), (eh, ew) = s.shape[-2:], s.expected
-        if s.format == NPZ and s.family in MULTI_RESOLUTION:
-            # kohya's summary holds another size only under skip_cache_check (kohya.loaded_shape)
+        if s.format == NPZ and s.family in MULTI_RESOLUTION and s.lacks == f"latents_{eh}x{ew}":
+            # kohya's summary holds another size only under skip_cache_check (kohya.loaded_shape);
+            # a file holding the bucket's key at another size gets the message below
             message = (f"no latents_{eh}x{ew} for bucket {s.bucket} (it holds a {h}x{w} latent): "
                        "with skip_cache_check, sd-scripts does not encode it again and stops "
                        "with ValueError when it loads the file")
@@ -126,6 +127,9 @@ def _lacking(s: Group | FileSummary) -> str:
         return ("no `latent` tensor: ai-toolkit trusts an entry that exists and stops with "
                 "KeyError: 'latent' when it loads it")
     bucket = f" for bucket {s.bucket}" if s.bucket else ""
+    if s.lacks.startswith("latents_") and not s.lacks.startswith("latents_flipped"):
+        return (f"no {s.lacks}{bucket}: with skip_cache_check, sd-scripts does not encode it "
+                "again and stops with ValueError when it loads the file")
     if s.lacks.startswith("latents_flipped"):
         return (f"no {s.lacks}{bucket}: with flip_aug and skip_cache_check, sd-scripts does not "
                 "encode it again; it loads None for the flipped latent and stops with TypeError "

@@ -578,8 +578,8 @@ def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
         return latents[key].shape
     if not skip_cache_check:
         return ()
-    # one of another size (an unsuffixed FLUX `latents` of the bucket's size is not read either,
-    # but then no shape shows it)
+    # one of another size (an unsuffixed FLUX `latents` of the bucket's size, as sd-scripts
+    # wrote them before 6ab48b09, is not read either: no shape shows it, `lacking` names the key)
     held = [t.shape for t in latents.values() if tuple(t.shape[-2:]) != expected]
     return held[0] if held else ()
 
@@ -614,7 +614,9 @@ def lacking(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None,
             skip_cache_check: bool, flip_aug: bool) -> str | None:
     """CacheFacts.lacks of a kohya npz: a key that sd-scripts reads from the latent it loads
     from this file (the one `loaded_key` names), once it has judged the file valid, and that
-    the file lacks; None when it holds them all, or no latent sd-scripts loads.
+    the file lacks; None when it holds them all, or no latent sd-scripts loads. Under
+    skip_cache_check a FLUX, SD3, Lumina, Anima or HunyuanImage file without the bucket's
+    `latents_<h>x<w>` lacks that key (`_default_load_latents_from_disk` raises ValueError).
 
     `_default_is_disk_cached_latents_expected` (strategy_base.py, 48d368fa) looks only for
     `latents<suffix>` (and `latents_flipped<suffix>` with flip_aug, `alpha_mask<suffix>` with
@@ -628,7 +630,10 @@ def lacking(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None,
     alpha_mask, which also sends a file without its mask to be encoded again, is not read here.)"""
     key = loaded_key(arch, _latents(meta), expected)
     if key is None:
-        return None
+        # a size-keyed file without its bucket's key: trusted under skip_cache_check, loading
+        # it raises ValueError (CD302 tells it from a key of the wrong size by this)
+        return f"latents_{expected[0]}x{expected[1]}" if (
+            skip_cache_check and arch in MULTI_RESOLUTION and expected is not None) else None
     suffix = key.removeprefix("latents")
     held = {t.path[0] for t in meta.tensors if len(t.path) == 1}
     if flip_aug and FLIPPED + suffix not in held:

@@ -110,3 +110,46 @@ def test_with_flip_aug_a_file_lacking_its_flipped_latent_is_encoded_again_so_no_
     with every key (it keeps the ones it holds and adds the latent's own)."""
     config, _ = project(tmp_path, "sdxl", "latents_flipped", subset="  flip_aug = true\n")
     assert alarms(config) == []
+
+
+def test_a_flux_npz_from_before_multi_resolution_keys_is_cd302_under_skip_cache_check(
+        tmp_path: Path) -> None:
+    """Before 6ab48b09 (2024-08-20) sd-scripts wrote FLUX latents unsuffixed (`latents`,
+    `original_size`, `crop_ltrb`). 48d368fa's FluxLatentsCachingStrategy reads only
+    `latents_<h>x<w>`: without skip_cache_check the file is encoded again (the key added), with
+    it `load_latents_from_disk` raised `ValueError: latents_56x72 not found in <file>` (run on
+    such a file). The latent being of the bucket's size, no shape showed it: the scan was clean."""
+    config, folder = project(tmp_path, "sdxl", None)
+    for old in sorted(folder.glob("*_sdxl.npz")):
+        old.rename(old.with_name(old.name.replace("_sdxl.npz", "_flux.npz")))
+    assert alarms(config) == []
+    config.write_text(config.read_text().replace(
+        "[dataset_arguments]\n", "[dataset_arguments]\nskip_cache_check = true\n"))
+    found = by_code(scan_paths(config), "CD302")
+    assert len(found) == len(list(folder.glob("*_flux.npz"))) > 0
+    image = folder / f"{BROKEN}.png"
+    width, height = Image.open(image).size
+    mine = next(f for f in found if Path(f.path).name == kohya.npz_name(image, width, height,
+                                                                        "flux"))
+    assert mine.details["missing"] == f"latents_{height // 8}x{width // 8}"
+    assert "ValueError" in mine.message
+
+
+def test_a_size_keyed_latent_of_another_size_is_no_skip_cache_check_message(
+        tmp_path: Path) -> None:
+    """A FLUX npz whose `latents_<h>x<w>` holds a latent of another size (a damaged or hand-made
+    file): the key is there, so sd-scripts loads it, skip_cache_check or not; CD302 said "no
+    latents_<h>x<w> ... with skip_cache_check", which the config did not set."""
+    config, folder = project(tmp_path, "flux", None)
+    image = folder / f"{BROKEN}.png"
+    width, height = Image.open(image).size
+    target = folder / kohya.npz_name(image, width, height, "flux")
+    key = f"latents_{height // 8}x{width // 8}"
+    with np.load(target) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays[key] = arrays[key][:, : height // 16]
+    np.savez(target, **arrays)
+    found = by_code(scan_paths(config), "CD302")
+    assert [Path(f.path).name for f in found] == [target.name]
+    assert "skip_cache_check" not in found[0].message
+    assert found[0].details["actual"] == [height // 16, width // 8]
