@@ -6,7 +6,9 @@ Paths: sd-scripts opens relative paths from the directory it is started in; cach
 that to be the folder of the config file that was given (or found), since the TOMLs carry no
 hint of it. A `--config_file` TOML's sections are flattened into arguments; its
 `dataset_config` names the dataset TOML, else `train_data_dir` (and `reg_data_dir`) hold
-DreamBooth folders `<repeats>_<class tokens>`. Each subset's values fall back to its dataset's,
+DreamBooth folders `<repeats>_<class tokens>`. A fine-tuning subset (`metadata_file`) adds the
+folders of its metadata's absolute image paths to its image_dir, which it may omit (a relative
+path needs it). Each subset's values fall back to its dataset's,
 then `[general]`, then the arguments, then kohya's defaults (enable_bucket false,
 min/max_bucket_reso 256/1024, bucket_reso_steps 64, bucket_no_upscale false).
 
@@ -274,6 +276,20 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                                  f"{type_name(subset)}: expected a table")
                 continue
             value = subset.get("image_dir")
+            named = subset.get("metadata_file")
+            folders: list[str] = []
+            if isinstance(named, str) and named and "\0" not in named:
+                # a fine-tuning subset: image_dir is optional (config_util.py
+                # FineTuningSubsetParams), its metadata's absolute keys name the images
+                folders = _metadata_dirs(root, named, value, dataset_file.origin(
+                    *where, "metadata_file"), problems)
+                if value is None:
+                    flip = _flag("flip_aug", [subset, dataset, general, args],
+                                 [{k: dataset_file.origin(*where, k) for k in subset}, origins,
+                                  general_origins, arg_origins], problems)
+                    out.extend(_Subset(f, f, dataset_file.origin(*where, "metadata_file"),
+                                       buckets, flip) for f in folders)
+                    continue
             if not isinstance(value, str) or not value or "\0" in value:  # no path holds a NUL
                 what = "has no image_dir" if value is None else f"has image_dir {value!r}"
                 problems.invalid(dataset_file.origin(*where, "image_dir") if value is not None
@@ -286,7 +302,50 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                           general_origins, arg_origins], problems)
             out.append(_Subset(resolve(root, value), value, dataset_file.origin(*where, "image_dir"),
                                buckets, flip))
+            own = os.path.realpath(resolve(root, value))
+            out.extend(_Subset(f, f, dataset_file.origin(*where, "metadata_file"), buckets, flip)
+                       for f in folders if os.path.realpath(f) != own)
     return out
+
+
+def _metadata_dirs(root: str, named: str, image_dir: object, origin: object,
+                   problems: Problems) -> list[str]:
+    """The folders of a fine-tuning subset's images beside its image_dir: those of its
+    metadata's absolute image paths (train_util.py FineTuningDataset: `.jsonl` lines'
+    `image_path`, else the JSON object's keys; sd-scripts looks for the npz files in each).
+    A relative key needs image_dir (sd-scripts asserts): without one it is CD409."""
+    import json
+
+    from cachedoctor.layouts.base import TargetError
+    from cachedoctor.layouts.sources import read_text
+
+    path = resolve(root, named)
+    if not os.path.isfile(path):
+        problems.missing(origin, "metadata_file", named, path, _reason(root))
+        return []
+    try:
+        text = read_text(path)
+        if path.endswith(".jsonl"):
+            keys = [json.loads(line)["image_path"] for line in text.splitlines() if line.strip()]
+        else:
+            keys = list(json.loads(text))
+    except (TargetError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        problems.invalid(origin, f"metadata_file {named!r} cannot be read as sd-scripts reads "
+                         f"it: {exc}", key="metadata_file")
+        return []
+    folders = []
+    for key in keys:
+        if not isinstance(key, str) or "\0" in key:
+            continue
+        if not os.path.isabs(key):
+            if image_dir is None:
+                problems.invalid(origin, f"metadata_file {named!r} names the image {key!r} "
+                                 "by a relative path: sd-scripts needs image_dir for it",
+                                 key="image_dir")
+                return []
+            continue
+        folders.append(os.path.dirname(key))
+    return sorted(set(folders))
 
 
 # -- buckets (train_util.BucketManager, model_util.make_bucket_resolutions) ---------------------
