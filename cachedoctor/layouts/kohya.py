@@ -552,8 +552,11 @@ class _Directory(DirectoryNaming):
             # (imagesize.get), as here, when the bucket settings are known
             size = self._image_size(stem) if buckets is not None else None
             if size is None:
+                # without a config a `<stem>.npz` may be anyone's: judged only under one (the
+                # flip_aug key needs the config all the same)
                 return CacheFacts(key=self.prefix + stem, naming="legacy", lacks=lacking(
-                    None, meta, None, naming.skip_cache_check, naming.flip_aug))
+                    None, meta, None, naming.skip_cache_check, naming.flip_aug)
+                    if buckets is not None else None)
             bw, bh = buckets.select(*size)
             return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
                               expected=(bh // 8, bw // 8), naming="legacy", lacks=lacking(

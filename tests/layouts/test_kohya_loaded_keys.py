@@ -153,3 +153,23 @@ def test_a_size_keyed_latent_of_another_size_is_no_skip_cache_check_message(
     assert [Path(f.path).name for f in found] == [target.name]
     assert "skip_cache_check" not in found[0].message
     assert found[0].details["actual"] == [height // 16, width // 8]
+
+
+def test_a_bare_stem_npz_without_crop_ltrb_is_left_alone_but_judged_under_the_config(
+        tmp_path: Path) -> None:
+    """A `<stem>.npz` beside an image may be any tool's cache when no config says it is
+    kohya's; under the config it is the legacy npz SD/SDXL read first (strategy_sd.py
+    get_latents_npz_path), e.g. one of the 2023-06/07 `crop_left_top` naming."""
+    config, folder = project(tmp_path, "sdxl", None)
+    image = folder / f"{BROKEN}.png"
+    width, height = Image.open(image).size
+    target = folder / kohya.npz_name(image, width, height)
+    with np.load(target) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["crop_left_top"] = arrays.pop("crop_ltrb")[:2]
+    target.unlink()
+    np.savez(folder / f"{BROKEN}.npz", **arrays)
+    assert by_code(scan_paths(folder), "CD302") == []
+    found = by_code(scan_paths(config), "CD302")
+    assert [Path(f.path).name for f in found] == [f"{BROKEN}.npz"]
+    assert found[0].details["missing"] == "crop_ltrb"
