@@ -36,7 +36,12 @@ the bucket's key, and adds the key to the file. With `skip_cache_check` it trust
 exists, and training stops with `ValueError: latents_<h>x<w> not found in <file>` when it first
 loads that image, for whichever dataset's bucket lacks its key. A missing flipped latent loads
 as None, and the first sample of that image that flip_aug mirrors (half of them, at random)
-stops training with `TypeError: new(): data must be a sequence (got NoneType)`.
+stops training with `TypeError: new(): data must be a sequence (got NoneType)`. sd-scripts also
+reads `original_size` and `crop_ltrb` (with the latent's suffix) from every file it loads, and
+checks neither: a file without them stops training with `KeyError`, `skip_cache_check` or not.
+An ai-toolkit entry without its `latent` tensor (one holding only the pixel `tensor` of
+`cache_tensors_to_disk`, say) is trusted because it exists, and stops training with
+`KeyError: 'latent'`.
 
 ## Example
 ```
@@ -49,6 +54,9 @@ CD302 error train/10_person/img_0003_1024x1024_flux.npz
       no latents_flipped_128x128 for bucket 1024x1024: with flip_aug and skip_cache_check,
       sd-scripts does not encode it again; it loads None for the flipped latent and stops
       with TypeError at the first sample it flips
+CD302 error train/10_person/img_0011_0640x0480_sdxl.npz
+      no crop_ltrb for bucket 576x448: sd-scripts' validity check looks only for the latents,
+      so it loads this file and stops with KeyError: 'crop_ltrb is not a file in the archive'
 ```
 
 ## Fix
@@ -77,8 +85,9 @@ def wrong(role: str, shape: tuple[int, ...] | None, expected: tuple[int, int] | 
 
 
 def fails(s: Group | FileSummary) -> bool:
-    """A latent of the wrong size, or one lacking a key its trainer reads (kohya's flipped
-    latent, see layouts/kohya.lacking_flip)."""
+    """A latent of the wrong size, or one lacking a key its trainer reads (kohya's
+    original_size, crop_ltrb or flipped latent, see layouts/kohya.lacking; ai-toolkit's
+    `latent`)."""
     return wrong(s.role, s.shape, s.expected) or (s.role == LATENT and s.lacks is not None)
 
 
@@ -96,15 +105,12 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
         if not fails(s):
             continue
         if not wrong(s.role, s.shape, s.expected):
-            bucket = f" for bucket {s.bucket}" if s.bucket else ""
-            yield RULE.finding(s.path, f"no {s.lacks}{bucket}: with flip_aug and skip_cache_check, "
-                               "sd-scripts does not encode it again; it loads None for the "
-                               "flipped latent and stops with TypeError at the first sample it "
-                               "flips", ctx, bucket=s.bucket, missing=s.lacks)
+            yield RULE.finding(s.path, _lacking(s), ctx, bucket=s.bucket, missing=s.lacks)
             continue
         (h, w), (eh, ew) = s.shape[-2:], s.expected
-        if s.format == NPZ and s.family in MULTI_RESOLUTION:
-            # kohya's summary holds another size only under skip_cache_check (kohya.loaded_shape)
+        if s.format == NPZ and s.family in MULTI_RESOLUTION and s.lacks == f"latents_{eh}x{ew}":
+            # kohya's summary holds another size only under skip_cache_check (kohya.loaded_shape);
+            # a file holding the bucket's key at another size gets the message below
             message = (f"no latents_{eh}x{ew} for bucket {s.bucket} (it holds a {h}x{w} latent): "
                        "with skip_cache_check, sd-scripts does not encode it again and stops "
                        "with ValueError when it loads the file")
@@ -113,6 +119,24 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
                        "encoded at another resolution")
         yield RULE.finding(s.path, message, ctx, bucket=s.bucket, actual=[h, w],
                            expected=[eh, ew], shape=list(s.shape))
+
+
+def _lacking(s: Group | FileSummary) -> str:
+    """The message for a latent file lacking a key its trainer reads (CacheFacts.lacks)."""
+    if s.lacks == "latent":  # ai-toolkit (layouts/aitoolkit.header_facts)
+        return ("no `latent` tensor: ai-toolkit trusts an entry that exists and stops with "
+                "KeyError: 'latent' when it loads it")
+    bucket = f" for bucket {s.bucket}" if s.bucket else ""
+    if s.lacks.startswith("latents_") and not s.lacks.startswith("latents_flipped"):
+        return (f"no {s.lacks}{bucket}: with skip_cache_check, sd-scripts does not encode it "
+                "again and stops with ValueError when it loads the file")
+    if s.lacks.startswith("latents_flipped"):
+        return (f"no {s.lacks}{bucket}: with flip_aug and skip_cache_check, sd-scripts does not "
+                "encode it again; it loads None for the flipped latent and stops with TypeError "
+                "at the first sample it flips")
+    return (f"no {s.lacks}{bucket}: sd-scripts' validity check looks only for the latents, so "
+            f"it loads this file and stops with KeyError: '{s.lacks} is not a file in the "
+            "archive'")
 
 
 RULE = Rule(

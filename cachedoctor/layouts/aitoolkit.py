@@ -280,8 +280,13 @@ def header_facts(meta: FileMeta, prefix: str = "") -> CacheFacts:
         return CacheFacts(key=key)
     family = info.get("latent_space_version")
     expected = (height // 8, width // 8) if family in FACTOR_8 else None
+    lacks = None
+    if meta.tensors and not any(t.path == ("latent",) for t in meta.tensors):
+        # get_latent (dataloader_mixins.py, 27a03a91) reads state_dict['latent'] of any entry
+        # that exists: KeyError. Its other tensors (the pixel `tensor`) are no latent: () shape.
+        lacks = "latent"
     return CacheFacts(key=key, bucket=f"{width}x{height}{_frames(meta)}", expected=expected,
-                      family=family)
+                      family=family, lacks=lacks, shape=() if lacks else None)
 
 
 def _frames(meta: FileMeta) -> str:

@@ -6,7 +6,9 @@ Paths: sd-scripts opens relative paths from the directory it is started in; cach
 that to be the folder of the config file that was given (or found), since the TOMLs carry no
 hint of it. A `--config_file` TOML's sections are flattened into arguments; its
 `dataset_config` names the dataset TOML, else `train_data_dir` (and `reg_data_dir`) hold
-DreamBooth folders `<repeats>_<class tokens>`. Each subset's values fall back to its dataset's,
+DreamBooth folders `<repeats>_<class tokens>`. A fine-tuning subset (`metadata_file`) adds the
+folders of its metadata's absolute image paths to its image_dir, which it may omit (a relative
+path needs it). Each subset's values fall back to its dataset's,
 then `[general]`, then the arguments, then kohya's defaults (enable_bucket false,
 min/max_bucket_reso 256/1024, bucket_reso_steps 64, bucket_no_upscale false).
 
@@ -274,6 +276,20 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                                  f"{type_name(subset)}: expected a table")
                 continue
             value = subset.get("image_dir")
+            named = subset.get("metadata_file")
+            folders: list[str] = []
+            if isinstance(named, str) and named and "\0" not in named:
+                # a fine-tuning subset: image_dir is optional (config_util.py
+                # FineTuningSubsetParams), its metadata's absolute keys name the images
+                folders = _metadata_dirs(root, named, value, dataset_file.origin(
+                    *where, "metadata_file"), problems)
+                if value is None:
+                    flip = _flag("flip_aug", [subset, dataset, general, args],
+                                 [{k: dataset_file.origin(*where, k) for k in subset}, origins,
+                                  general_origins, arg_origins], problems)
+                    out.extend(_Subset(f, f, dataset_file.origin(*where, "metadata_file"),
+                                       buckets, flip) for f in folders)
+                    continue
             if not isinstance(value, str) or not value or "\0" in value:  # no path holds a NUL
                 what = "has no image_dir" if value is None else f"has image_dir {value!r}"
                 problems.invalid(dataset_file.origin(*where, "image_dir") if value is not None
@@ -286,7 +302,50 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                           general_origins, arg_origins], problems)
             out.append(_Subset(resolve(root, value), value, dataset_file.origin(*where, "image_dir"),
                                buckets, flip))
+            own = os.path.realpath(resolve(root, value))
+            out.extend(_Subset(f, f, dataset_file.origin(*where, "metadata_file"), buckets, flip)
+                       for f in folders if os.path.realpath(f) != own)
     return out
+
+
+def _metadata_dirs(root: str, named: str, image_dir: object, origin: object,
+                   problems: Problems) -> list[str]:
+    """The folders of a fine-tuning subset's images beside its image_dir: those of its
+    metadata's absolute image paths (train_util.py FineTuningDataset: `.jsonl` lines'
+    `image_path`, else the JSON object's keys; sd-scripts looks for the npz files in each).
+    A relative key needs image_dir (sd-scripts asserts): without one it is CD409."""
+    import json
+
+    from cachedoctor.layouts.base import TargetError
+    from cachedoctor.layouts.sources import read_text
+
+    path = resolve(root, named)
+    if not os.path.isfile(path):
+        problems.missing(origin, "metadata_file", named, path, _reason(root))
+        return []
+    try:
+        text = read_text(path)
+        if path.endswith(".jsonl"):
+            keys = [json.loads(line)["image_path"] for line in text.splitlines() if line.strip()]
+        else:
+            keys = list(json.loads(text))
+    except (TargetError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        problems.invalid(origin, f"metadata_file {named!r} cannot be read as sd-scripts reads "
+                         f"it: {exc}", key="metadata_file")
+        return []
+    folders = []
+    for key in keys:
+        if not isinstance(key, str) or "\0" in key:
+            continue
+        if not os.path.isabs(key):
+            if image_dir is None:
+                problems.invalid(origin, f"metadata_file {named!r} names the image {key!r} "
+                                 "by a relative path: sd-scripts needs image_dir for it",
+                                 key="image_dir")
+                return []
+            continue
+        folders.append(os.path.dirname(key))
+    return sorted(set(folders))
 
 
 # -- buckets (train_util.BucketManager, model_util.make_bucket_resolutions) ---------------------
@@ -488,20 +547,27 @@ class _Directory(DirectoryNaming):
         if match is None:
             stem = name[:-4]
             # SD/SDXL read a legacy npz's unsuffixed keys (strategy_sd.py get_latents_npz_path)
-            lacks = lacking_flip(None, meta, None) if self.naming.skip_cache_check and \
-                self.naming.flip_aug else None
+            naming = self.naming
             # a legacy <stem>.npz names no size: kohya reads it from the image's header
             # (imagesize.get), as here, when the bucket settings are known
             size = self._image_size(stem) if buckets is not None else None
             if size is None:
-                return CacheFacts(key=self.prefix + stem, naming="legacy", lacks=lacks)
+                # without a config a `<stem>.npz` may be anyone's: judged only under one (the
+                # flip_aug key needs the config all the same)
+                return CacheFacts(key=self.prefix + stem, naming="legacy", lacks=lacking(
+                    None, meta, None, naming.skip_cache_check, naming.flip_aug)
+                    if buckets is not None else None)
             bw, bh = buckets.select(*size)
             return CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}",
-                              expected=(bh // 8, bw // 8), naming="legacy", lacks=lacks)
+                              expected=(bh // 8, bw // 8), naming="legacy", lacks=lacking(
+                                  None, meta, (bh // 8, bw // 8), naming.skip_cache_check,
+                                  naming.flip_aug))
         stem, arch = match["stem"], match["arch"]
         width, height = int(match["w"]), int(match["h"])
         if buckets is None or width == 0 or height == 0:
-            return CacheFacts(key=self.prefix + stem, family=arch)
+            # no bucket: an SD/SDXL file's one `latents` is the one loaded all the same
+            return CacheFacts(key=self.prefix + stem, family=arch,
+                              lacks=lacking(arch, meta, None, False, False))
         stride = STRIDE.get(arch, 8)
         skip = self.naming.skip_cache_check or arch in self.naming.skip_archs
         judged = []
@@ -510,7 +576,7 @@ class _Directory(DirectoryNaming):
             expected = (bh // stride, bw // stride)
             facts = CacheFacts(key=self.prefix + stem, bucket=f"{bw}x{bh}", expected=expected,
                                family=arch, shape=loaded_shape(arch, meta, expected, skip),
-                               lacks=lacking_flip(arch, meta, expected) if skip and flip else None)
+                               lacks=lacking(arch, meta, expected, skip, flip))
             judged.append(facts)
             if _fails(facts, meta):
                 # sd-scripts loads the file for every dataset of the dir: the first one it
@@ -549,6 +615,7 @@ def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
 RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
 SUFFIX = re.compile(r"_\d+x\d+$")  # a multi-resolution key's `_<h>x<w>`
 MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
+LOADED_WITH = ("original_size", "crop_ltrb")  # read with every latent sd-scripts loads
 FLIPPED = "latents_flipped"  # with flip_aug: the latent of the image mirrored left to right
 
 
@@ -573,8 +640,8 @@ def loaded_shape(arch: str, meta: FileMeta, expected: tuple[int, int],
         return latents[key].shape
     if not skip_cache_check:
         return ()
-    # one of another size (an unsuffixed FLUX `latents` of the bucket's size is not read either,
-    # but then no shape shows it)
+    # one of another size (an unsuffixed FLUX `latents` of the bucket's size, as sd-scripts
+    # wrote them before 6ab48b09, is not read either: no shape shows it, `lacking` names the key)
     held = [t.shape for t in latents.values() if tuple(t.shape[-2:]) != expected]
     return held[0] if held else ()
 
@@ -605,22 +672,35 @@ def loaded_key(arch: str | None, latents: dict[str, TensorMeta],
     return None
 
 
-def lacking_flip(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None) -> str | None:
-    """CacheFacts.lacks of an npz that sd-scripts trusts as it is (skip_cache_check) for a
-    subset with flip_aug: the flipped key of the latent it loads (`latents_flipped` plus that
-    latent's suffix) when the file lacks it; None when it holds it, or no latent it loads.
+def lacking(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None,
+            skip_cache_check: bool, flip_aug: bool) -> str | None:
+    """CacheFacts.lacks of a kohya npz: a key that sd-scripts reads from the latent it loads
+    from this file (the one `loaded_key` names), once it has judged the file valid, and that
+    the file lacks; None when it holds them all, or no latent sd-scripts loads. Under
+    skip_cache_check a FLUX, SD3, Lumina, Anima or HunyuanImage file without the bucket's
+    `latents_<h>x<w>` lacks that key (`_default_load_latents_from_disk` raises ValueError).
 
-    `_default_load_latents_from_disk` (strategy_base.py, 48d368fa; PR #2269's 58f7b4cd alike)
-    gives None for a missing `latents_flipped<suffix>`, and BaseDataset.__getitem__
-    (train_util.py) takes it for the latent of every sample it flips (half of them, at random):
-    `torch.FloatTensor(None)` raises TypeError. Without skip_cache_check the missing key makes
-    `is_disk_cached_latents_expected` false and the image is encoded again, the key added."""
+    `_default_is_disk_cached_latents_expected` (strategy_base.py, 48d368fa) looks only for
+    `latents<suffix>` (and `latents_flipped<suffix>` with flip_aug, `alpha_mask<suffix>` with
+    alpha_mask); `_default_load_latents_from_disk` then reads `original_size<suffix>` and
+    `crop_ltrb<suffix>` unconditionally: a file without one stops training with `KeyError:
+    '<key> is not a file in the archive'` (an npz of the 2023-06/07 `crop_left_top` naming,
+    9e9df2b5 to 0ec71660, is one). With flip_aug, a missing `latents_flipped<suffix>` makes the
+    check false and the image is encoded again, the key added; under skip_cache_check the file is
+    trusted, the flipped latent loads as None, and BaseDataset.__getitem__ (train_util.py) takes
+    it for every sample it flips: `torch.FloatTensor(None)` raises TypeError. (The subset's
+    alpha_mask, which also sends a file without its mask to be encoded again, is not read here.)"""
     key = loaded_key(arch, _latents(meta), expected)
     if key is None:
-        return None
-    flipped = "latents_flipped" + key.removeprefix("latents")
+        # a size-keyed file without its bucket's key: trusted under skip_cache_check, loading
+        # it raises ValueError (CD302 tells it from a key of the wrong size by this)
+        return f"latents_{expected[0]}x{expected[1]}" if (
+            skip_cache_check and arch in MULTI_RESOLUTION and expected is not None) else None
+    suffix = key.removeprefix("latents")
     held = {t.path[0] for t in meta.tensors if len(t.path) == 1}
-    return None if flipped in held else flipped
+    if flip_aug and FLIPPED + suffix not in held:
+        return FLIPPED + suffix if skip_cache_check else None
+    return next((k + suffix for k in LOADED_WITH if k + suffix not in held), None)
 
 
 class _Entries(Entries):
