@@ -28,6 +28,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from cachedoctor.formats.meta import FileMeta, TensorMeta
 from cachedoctor.layouts.base import (
@@ -734,8 +735,6 @@ class _Entries(Entries):
         return os.path.join(directory, found[0])
 
     def spec(self, image: str, replacing: str | None = None) -> EntrySpec:
-        import numpy as np
-
         from cachedoctor import images
 
         buckets = self.naming.buckets
@@ -750,7 +749,7 @@ class _Entries(Entries):
         suffix = f"_{latent[0]}x{latent[1]}" if multi else ""
         values = {"original_size": (width, height),
                   "crop_ltrb": _crop_ltrb((bucket_w, bucket_h), (width, height))}
-        extras = {k + suffix: np.asarray(v, dtype=kinds[k]) for k, v in values.items() if k in kinds}
+        extras = {k + suffix: _stored(v, kinds[k]) for k, v in values.items() if k in kinds}
         stem = os.path.splitext(os.path.basename(image))[0]
         path = os.path.join(directory, f"{stem}_{width:04d}x{height:04d}_{arch}.npz")
         geometry = Geometry((width, height), resized, ((resized[0] - bucket_w) // 2,
@@ -809,6 +808,19 @@ def _kept(path: str, suffix: str) -> tuple[str, ...]:
         raise NoSpec(f"it holds alpha_mask{suffix}, which cachedoctor does not make")
     own = {key + suffix for key in ("latents", FLIPPED, *MADE)}
     return tuple(sorted(k for k in keys if k not in own))
+
+
+def _stored(value: tuple, dtype: str) -> Any:
+    """`value` as save_latents_to_disk stores it, `np.array(value)`, in the neighbours' dtype
+    where that holds it exactly (int32 `original_size` of a numpy 1.x on Windows). Where it does
+    not, numpy's own: crop_ltrb's quotients (303.288...) cast to the int64 of integral
+    neighbours would lose what sd-scripts stores (float64) and reads back: its flipped crop is
+    int(bucket_w - crop_ltrb[2])."""
+    import numpy as np
+
+    own = np.array(value)
+    cast = np.asarray(value, dtype=dtype)
+    return cast if np.array_equal(cast, own) else own
 
 
 def _crop_ltrb(bucket: tuple[int, int], size: tuple[int, int]) -> tuple[float, ...]:
