@@ -575,7 +575,8 @@ class _Entries(Entries):
         path = os.path.join(latent_dir, f"{stem}_{latent_hash(info)}.safetensors")
         geometry = Geometry(size, (info["scale_to_width"], info["scale_to_height"]),
                             (info["crop_x"], info["crop_y"], info["crop_width"],
-                             info["crop_height"]), "bicubic")
+                             info["crop_height"]), "bicubic",
+                            flip_x=info.get("flip_x") is True, flip_y=info.get("flip_y") is True)
         fmt = EntryFormat("safetensors", "latent", dtype, channels, scaled=True,
                           metadata={**template.metadata, "filename": name})
         return EntrySpec(image, path, fmt, geometry, geometry.latent_size(8))

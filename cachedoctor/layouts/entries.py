@@ -73,12 +73,15 @@ class EntryFormat:
 
 @dataclass(frozen=True)
 class Geometry:
-    """The pixels a trainer encodes: the image resized to `resize`, then cropped."""
+    """The pixels a trainer encodes: the image (mirrored where `flip_x`/`flip_y`) resized to
+    `resize`, then cropped."""
 
     size: tuple[int, int]  # (w, h) of the image when the plan was made
     resize: tuple[int, int]  # (w, h)
     crop: tuple[int, int, int, int]  # (left, top, width, height) in the resized image
     filter: str = "bilinear"  # the torch mode nearest to how the trainer resamples
+    flip_x: bool = False  # mirrored left to right before the resize (ai-toolkit's flip_x items)
+    flip_y: bool = False  # mirrored top to bottom before the resize (its flip_y items)
 
     def __post_init__(self) -> None:
         left, top, width, height = self.crop

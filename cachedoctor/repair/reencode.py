@@ -7,7 +7,8 @@ of the findings it answers. Trainer layouts describe their entries; for a bare c
 is that of the healthy neighbouring files (`neighbour_format`), which works where an entry holds
 the latent only (SimpleTuner's bare tensors; single-tensor safetensors or npz files).
 
-The image is read, resized and cropped as the trainer does (torch's resampling standing in for
+The image is read, mirrored where the entry is a mirrored item's (ai-toolkit's flip_x and
+flip_y), resized and cropped as the trainer does (torch's resampling standing in for
 the trainer's own: the geometry is exact, the pixels close), encoded, scaled where the trainer
 stores scaled latents, and written in the trainer's container. Where the format asks for a
 flipped latent (kohya's flip_aug), the cropped pixels mirrored left to right are encoded too.
@@ -131,6 +132,10 @@ def pixels(image: str, geometry: Geometry | None) -> torch.Tensor:
     if (width, height) != geometry.size:
         raise EntryMismatch(f"the image is {width}x{height} now, not {geometry.size[0]}x"
                             f"{geometry.size[1]} as planned: it changed since the plan")
+    if geometry.flip_x:  # before the resize and crop, as ai-toolkit transposes the image
+        rgb = rgb.flip(-1)
+    if geometry.flip_y:
+        rgb = rgb.flip(-2)
     if geometry.resize != geometry.size:
         mode = geometry.filter
         if mode == "area" and (geometry.resize[0] > width or geometry.resize[1] > height):
