@@ -1,7 +1,9 @@
 """Source images, read for `fix --reencode`: their size (cheap: the plan needs it for the
 trainer's naming and bucket) and their pixels (when the entry is encoded).
 
-With Pillow installed every format it knows is read (as RGB, like the trainers). Without it only
+With Pillow installed every format it knows is read (as RGB, like the trainers), turned upright
+by its EXIF orientation where asked (`oriented`: SimpleTuner, OneTrainer's mgds and ai-toolkit
+call exif_transpose; kohya's sd-scripts reads the stored pixels as they are). Without it only
 PNGs of the kind the fixtures write (8-bit RGB, not interlaced) can be read; any other image is
 an ImageError that names its format and the package that reads it.
 """
@@ -74,8 +76,9 @@ def _pillow(path: str):
     return img, f
 
 
-def size(path: str) -> tuple[int, int]:
-    """(width, height) of the image at `path`, from its header."""
+def size(path: str, oriented: bool = False) -> tuple[int, int]:
+    """(width, height) of the image at `path`, from its header; `oriented`: as it stands
+    upright (width and height swapped where its EXIF orientation turns it a quarter)."""
     try:
         from PIL import Image  # noqa: F401 (whether Pillow is there)
     except ImportError:
@@ -86,7 +89,19 @@ def size(path: str) -> tuple[int, int]:
         return width, height
     img, f = _pillow(path)
     with f, img:
-        return img.size
+        width, height = img.size
+        return (height, width) if oriented and _orientation(img) in QUARTER_TURNS else (width, height)
+
+
+QUARTER_TURNS = frozenset({5, 6, 7, 8})  # EXIF orientations that swap width and height
+
+
+def _orientation(img) -> int:
+    """The EXIF orientation tag (1: upright) of a Pillow image, as ImageOps.exif_transpose reads it."""
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except (OSError, ValueError, TypeError, SyntaxError):  # a broken EXIF block: exif_transpose fails too
+        return 1
 
 
 HEADER_BYTES = 65536  # a JPEG's frame header follows its EXIF block, thumbnail and all
@@ -150,8 +165,9 @@ def _jpeg_size(head: bytes) -> tuple[int, int] | None:
     return None
 
 
-def load(path: str) -> torch.Tensor:
-    """The image at `path` as uint8 RGB [3, H, W]."""
+def load(path: str, oriented: bool = False) -> torch.Tensor:
+    """The image at `path` as uint8 RGB [3, H, W]; `oriented`: turned upright by its EXIF
+    orientation, as PIL.ImageOps.exif_transpose turns it."""
     import numpy as np
     import torch
 
@@ -165,10 +181,13 @@ def load(path: str) -> torch.Tensor:
             return read_png(path)[2]
         except ValueError as exc:
             raise ImageError(f"{exc}: {NEEDS_PILLOW}") from None
+    from PIL import ImageOps
+
     img, f = _pillow(path)
     try:
         with f, img:
-            rgb = np.asarray(img.convert("RGB"))
+            upright = ImageOps.exif_transpose(img) if oriented else img
+            rgb = np.asarray(upright.convert("RGB"))
     except OSError as exc:  # a file cut short after its header
         raise ImageError(f"{os.path.basename(path)}: Pillow cannot read it ({exc})") from None
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()

@@ -400,7 +400,7 @@ def _incomplete(directory: str, buckets: Buckets) -> dict[str, tuple[str, ...]]:
                     or name not in present:
                 continue
             try:
-                size = images.size(os.path.join(folder, name))
+                size = images.size(os.path.join(folder, name), oriented=True)
             except (OSError, ValueError):
                 continue
             missing = [c for c in buckets.crops(size) if c not in present[name]]
@@ -446,7 +446,7 @@ def same_size_gaps(directory: str, recursive: bool = True) -> dict[str, tuple[st
             if name not in here or not name.lower().endswith(IMAGE_EXTENSIONS):
                 continue
             try:
-                size = sizes.get(name) or images.size(os.path.join(folder, name))
+                size = sizes.get(name) or images.size(os.path.join(folder, name), oriented=True)
             except (OSError, ValueError):
                 continue
             sizes[name] = size
@@ -554,7 +554,7 @@ class _Entries(Entries):
 
         if image.lower().endswith(VIDEO_EXTENSIONS):
             raise NoSpec("a clip of a video dataset: cachedoctor encodes no videos")
-        size = images.size(image)
+        size = images.size(image, oriented=True)  # exif_transpose'd (data_loader.py)
         latent_dir = os.path.join(os.path.dirname(image), LATENT_DIR)
         template = _template(read_path(replacing)) if replacing is not None else None
         if self.buckets is not None and len(self.buckets.resolutions) > 1:
@@ -576,7 +576,8 @@ class _Entries(Entries):
         geometry = Geometry(size, (info["scale_to_width"], info["scale_to_height"]),
                             (info["crop_x"], info["crop_y"], info["crop_width"],
                              info["crop_height"]), "bicubic",
-                            flip_x=info.get("flip_x") is True, flip_y=info.get("flip_y") is True)
+                            flip_x=info.get("flip_x") is True, flip_y=info.get("flip_y") is True,
+                            oriented=True)
         fmt = EntryFormat("safetensors", "latent", dtype, channels, scaled=True,
                           metadata={**template.metadata, "filename": name})
         return EntrySpec(image, path, fmt, geometry, geometry.latent_size(8))
@@ -665,7 +666,8 @@ def _templates_by_size(latent_dir: str, unlike: frozenset[str]
         if template is None:
             continue
         try:
-            size = images.size(os.path.join(os.path.dirname(latent_dir), template.info["filename"]))
+            size = images.size(os.path.join(os.path.dirname(latent_dir), template.info["filename"]),
+                               oriented=True)
         except (OSError, ValueError):
             continue
         if _fits(template.info, size):

@@ -73,8 +73,9 @@ class EntryFormat:
 
 @dataclass(frozen=True)
 class Geometry:
-    """The pixels a trainer encodes: the image (mirrored where `flip_x`/`flip_y`) resized to
-    `resize`, then cropped."""
+    """The pixels a trainer encodes: the image (upright where `oriented`, then mirrored where
+    `flip_x`/`flip_y`) resized to `resize`, then cropped. `size` is the image's as the trainer
+    reads it (upright where `oriented`)."""
 
     size: tuple[int, int]  # (w, h) of the image when the plan was made
     resize: tuple[int, int]  # (w, h)
@@ -82,6 +83,7 @@ class Geometry:
     filter: str = "bilinear"  # the torch mode nearest to how the trainer resamples
     flip_x: bool = False  # mirrored left to right before the resize (ai-toolkit's flip_x items)
     flip_y: bool = False  # mirrored top to bottom before the resize (its flip_y items)
+    oriented: bool = False  # turned upright by its EXIF orientation first (exif_transpose)
 
     def __post_init__(self) -> None:
         left, top, width, height = self.crop

@@ -538,7 +538,7 @@ class _Entries(Entries):
         crop = self._sample(replacing)[1]
         if crop is None:
             raise NoSpec("aggregate.pt gives no crop_resolution for it")
-        width, height = images.size(image)
+        width, height = images.size(image, oriented=True)  # mgds LoadImage: EXIF applied
         crop_h, crop_w = crop
         if height / width > crop_h / crop_w:  # AspectBucketing: scale to cover the crop
             scaled = (round(height * (crop_w / width)), crop_w)
@@ -546,7 +546,7 @@ class _Entries(Entries):
             scaled = (crop_h, round(width * (crop_h / height)))
         y, x = (scaled[0] - crop_h) // 2, (scaled[1] - crop_w) // 2
         geometry = Geometry((width, height), (scaled[1], scaled[0]), (x, y, crop_w, crop_h),
-                            "bilinear")
+                            "bilinear", oriented=True)
         fmt, kinds = self._format(os.path.dirname(replacing))
         values = {"original_resolution": (height, width), "crop_offset": (y, x)}
         extras = {k: (list(v) if kinds[k] == "list" else v) for k, v in values.items() if k in kinds}

@@ -785,7 +785,7 @@ class _Entries(Entries):
             raise NoSpec("SimpleTuner's bucket metadata gives no size for it: let its aspect "
                          "bucket scan run first")
         original, intermediary, (top, left), target = sizes
-        size = images.size(image)
+        size = images.size(image, oriented=True)  # TrainingSample exif_transposes it
         if size != original:
             raise NoSpec(f"it is {size[0]}x{size[1]} now, {original[0]}x{original[1]} in "
                          "SimpleTuner's bucket metadata: let its aspect bucket scan run first")
@@ -794,7 +794,7 @@ class _Entries(Entries):
         except NoSpec:  # a sub-folder with no healthy entry yet: the cache's own format
             root = os.path.join(naming.cache_root, "new.pt")
             fmt = self.once(naming.cache_root, lambda: neighbour_format(root, self.unlike))
-        geometry = Geometry(size, intermediary, (left, top, *target), "bicubic")
+        geometry = Geometry(size, intermediary, (left, top, *target), "bicubic", oriented=True)
         return EntrySpec(image, path, replace(fmt, scaled=True), geometry,
                          geometry.latent_size(VAE_FACTOR))
 

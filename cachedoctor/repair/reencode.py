@@ -119,13 +119,15 @@ def kept_arrays(target: ReencodeTarget, data: bytes) -> dict[str, Any]:
 
 
 def pixels(image: str, geometry: Geometry | None) -> torch.Tensor:
-    """The uint8 RGB pixels [3, h, w] the trainer encodes: the image, resized and cropped."""
+    """The uint8 RGB pixels [3, h, w] the trainer encodes: the image (upright by its EXIF
+    orientation where the trainer turns it, mirrored where the item is mirrored), resized and
+    cropped."""
     import torch
     import torch.nn.functional as F
 
     from cachedoctor.images import load
 
-    rgb = load(image)
+    rgb = load(image, oriented=geometry is not None and geometry.oriented)
     if geometry is None:
         return rgb
     height, width = rgb.shape[-2:]
