@@ -100,7 +100,7 @@ def _orientation(img) -> int:
     """The EXIF orientation tag (1: upright) of a Pillow image, as ImageOps.exif_transpose reads it."""
     try:
         return int(img.getexif().get(0x0112, 1))
-    except (OSError, ValueError, TypeError, SyntaxError):  # a broken EXIF block: exif_transpose fails too
+    except (OSError, ValueError, TypeError, SyntaxError, struct.error):  # a broken EXIF block
         return 1
 
 
@@ -190,6 +190,8 @@ def load(path: str, oriented: bool = False) -> torch.Tensor:
             rgb = np.asarray(upright.convert("RGB"))
     except OSError as exc:  # a file cut short after its header
         raise ImageError(f"{os.path.basename(path)}: Pillow cannot read it ({exc})") from None
+    except (ValueError, TypeError, SyntaxError, struct.error) as exc:  # its EXIF, as the trainer's exif_transpose
+        raise ImageError(f"{os.path.basename(path)}: its EXIF block cannot be applied ({exc})") from None
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1).contiguous()
 
 
