@@ -6,7 +6,7 @@ Each root a run changes holds `.cachedoctor/` (the scan never walks it):
 
     .cachedoctor/journal.sqlite                 what every run did, written before it does it
     .cachedoctor/lock                           flock'ed by the fix or undo working on the cache
-    .cachedoctor/quarantine/<run>/<relpath>     every file a run removed or replaced
+    .cachedoctor/quarantine/<run>/<relpath>.quarantined   every file a run removed or replaced
 
 (The lock that orders runs, nested caches included, is in cachedoctor's state dir: lock.py.)
 
@@ -27,6 +27,11 @@ from cachedoctor.remote import is_remote
 JOURNAL = "journal.sqlite"
 LOCK = "lock"
 QUARANTINE_DIR = "quarantine"
+# Appended to every file the quarantine keeps: trainers that list their cache by extension
+# walk hidden folders too (SimpleTuner's list_files: os.walk and endswith(".pt")), and would
+# take `.cachedoctor/quarantine/<run>/x.pt` for a cache entry, load it (a hostile pickle
+# included) or delete it (scan_for_errors). Runs journaled before it keep bare names.
+KEPT_SUFFIX = ".quarantined"
 
 
 def state_dir(root: str) -> str:
@@ -81,6 +86,7 @@ class ActionPaths:
     run_id: str
     seq: int
     relpath: str
+    kept_suffix: str = KEPT_SUFFIX  # "" for a run journaled before KEPT_SUFFIX (Journal.actions)
 
     @property
     def path(self) -> str:
@@ -88,7 +94,8 @@ class ActionPaths:
 
     @property
     def quarantine(self) -> str:
-        return os.path.join(state_dir(self.root), QUARANTINE_DIR, self.run_id, self.relpath)
+        return os.path.join(state_dir(self.root), QUARANTINE_DIR, self.run_id,
+                            self.relpath + self.kept_suffix)
 
     def _beside(self, path: str, suffix: str) -> str:
         return os.path.join(os.path.dirname(path), f".cachedoctor-{self.run_id}-{self.seq}{suffix}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from cachedoctor import __version__
 from cachedoctor.clock import fs_now
 from cachedoctor.repair import atomic
-from cachedoctor.repair.caches import JOURNAL, ActionPaths, state_dir
+from cachedoctor.repair.caches import JOURNAL, KEPT_SUFFIX, ActionPaths, state_dir
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -105,9 +105,10 @@ class ActionRecord:
     sha_before: str | None
     sha_after: str | None
     error: str | None
+    kept_suffix: str = KEPT_SUFFIX
 
     def paths(self, root: str) -> ActionPaths:
-        return ActionPaths(root, self.run_id, self.seq, self.relpath)
+        return ActionPaths(root, self.run_id, self.seq, self.relpath, self.kept_suffix)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,14 @@ class Planned:
 
 def _b(path: str | None) -> bytes | None:
     return None if path is None else os.fsencode(path)
+
+
+def _kept_suffix(relpath: bytes, kept: bytes | None) -> str:
+    """How the run named its quarantined copy: bare (as before KEPT_SUFFIX) only where the
+    journal recorded exactly that; anything else gets today's name. The recorded path itself is
+    never used: a journal may come with a cache someone else wrote (ActionPaths derives it)."""
+    legacy = isinstance(kept, bytes) and isinstance(relpath, bytes) and kept.endswith(b"/" + relpath)
+    return "" if legacy else KEPT_SUFFIX
 
 
 class Journal:
@@ -258,11 +267,11 @@ class Journal:
         """The run's actions in order (or the one numbered `seq`)."""
         rows = self.conn.execute(
             "SELECT run_id, seq, action, relpath, codes, state, size_before, sha_before, sha_after,"
-            " error FROM actions WHERE run_id = ? AND (? IS NULL OR seq = ?) ORDER BY seq",
+            " error, quarantine FROM actions WHERE run_id = ? AND (? IS NULL OR seq = ?) ORDER BY seq",
             (run_id, seq, seq),
         )
         return [
             ActionRecord(run_id, seq, kind, os.fsdecode(relpath), tuple(filter(None, codes.split(","))),
-                         state, size, before, after, error)
-            for run_id, seq, kind, relpath, codes, state, size, before, after, error in rows
+                         state, size, before, after, error, _kept_suffix(relpath, kept))
+            for run_id, seq, kind, relpath, codes, state, size, before, after, error, kept in rows
         ]

@@ -23,7 +23,7 @@ from cachedoctor.fixtures import (
 )
 from cachedoctor.inventory import STATE_DIR
 from cachedoctor.repair import build_plan, recover_caches
-from cachedoctor.repair.caches import QUARANTINE_DIR, state_dir
+from cachedoctor.repair.caches import KEPT_SUFFIX, QUARANTINE_DIR, state_dir
 
 from conftest import scan_paths
 
@@ -52,6 +52,17 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 def quarantine_of(root: Path, run_id: str) -> Path:
     return Path(state_dir(str(root))) / QUARANTINE_DIR / run_id
+
+
+def kept_copy(root: Path, run_id: str, relpath: os.PathLike | str) -> Path:
+    """Where run `run_id` keeps the original of the file at `relpath` of the cache."""
+    return quarantine_of(root, run_id) / f"{relpath}{KEPT_SUFFIX}"
+
+
+def kept_digest(root: Path, run_id: str) -> dict[str, str]:
+    """tree_digest of the run's quarantine, by the relpath each copy was kept for."""
+    return {rel.removesuffix(KEPT_SUFFIX): sha
+            for rel, sha in tree_digest(quarantine_of(root, run_id)).items()}
 
 
 def every_fixable_defect(root: Path, marker: Path) -> Path:

@@ -16,6 +16,8 @@ from repair_helpers import (
     every_fixable_defect,
     fix_in_process,
     isolated_state,  # noqa: F401
+    kept_copy,
+    kept_digest,
     quarantine_of,
     tree_digest,
 )
@@ -79,7 +81,7 @@ def test_action_fixes_its_finding_and_undo_restores_the_tree(code: str, options:
     assert not by_code(scan_paths(cache, deep=True), code)
     kept = quarantine_of(cache, result.run_id)
     for path in broken:
-        original = kept / path.relative_to(cache)
+        original = kept_copy(cache, result.run_id, path.relative_to(cache))
         assert tree_digest(original.parent)[original.name] == before[str(path.relative_to(cache))]
         if kind == QUARANTINE:
             assert not path.exists()
@@ -88,7 +90,8 @@ def test_action_fixes_its_finding_and_undo_restores_the_tree(code: str, options:
             assert path.read_bytes()[:2] == original.read_bytes()[:2]  # same container
             assert path.stat().st_mode == original.stat().st_mode
     if kind == COMPACT:
-        assert all(p.stat().st_size < (kept / p.relative_to(cache)).stat().st_size for p in broken)
+        assert all(p.stat().st_size < kept_copy(cache, result.run_id, p.relative_to(cache)).stat().st_size
+                   for p in broken)
 
     [undone] = undo_run(result.run_id, [str(cache)])
     assert undone.restored == len(plan.actions) and not undone.conflicts
@@ -194,7 +197,7 @@ def test_every_removed_or_replaced_file_is_in_the_quarantine(cache: Path) -> Non
     plan, result = fix_in_process(cache)
 
     after = tree_digest(cache)
-    kept = tree_digest(quarantine_of(cache, result.run_id))
+    kept = kept_digest(cache, result.run_id)
     touched = {os.path.relpath(a.path, cache) for a in plan.actions}
     assert not result.failed
     for rel, sha in before.items():
@@ -252,7 +255,7 @@ def test_compact_keeps_structure_dtypes_strides_and_sharing(sample: str, contain
     assert [a.kind for a in plan.actions] == [COMPACT] and not result.failed
     rewritten = load(path)
     assert difference(original, rewritten, same_storages=False) is None
-    assert path.stat().st_size < (quarantine_of(cache, result.run_id) / path.name).stat().st_size
+    assert path.stat().st_size < kept_copy(cache, result.run_id, path.name).stat().st_size
     assert not scan_paths(cache).findings
 
 

@@ -139,7 +139,8 @@ def test_undo_leaves_a_file_changed_since_the_run_alone_and_exits_1(cache: Path)
     assert result.returncode == 1
     assert "left alone" in result.stdout and "has changed since the run" in result.stdout
     assert view.read_bytes() == b"written by a trainer since"
-    assert len(list((cache / ".cachedoctor" / "quarantine").rglob("*.pt"))) == 1, "the original stays kept"
+    assert len(list((cache / ".cachedoctor" / "quarantine").rglob("*.pt.quarantined"))) == 1, \
+        "the original stays kept"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from repair_helpers import isolated_state, quarantine_of  # noqa: F401
+from repair_helpers import isolated_state, kept_copy  # noqa: F401
 
 from cachedoctor.fixtures import clean, truncated_archive
 
@@ -34,7 +34,7 @@ def test_undo_never_puts_back_what_was_planted_in_the_quarantine(tmp_path: Path,
     victim.mkdir()
     (victim / "secret.txt").write_text("outside the cache")
     run_id, torn = _fixed(cache)
-    kept = quarantine_of(cache, run_id) / torn.relative_to(cache)
+    kept = kept_copy(cache, run_id, torn.relative_to(cache))
     assert kept.is_file() and not torn.exists()
     kept.unlink()
     if planted == "fifo":

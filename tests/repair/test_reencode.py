@@ -15,7 +15,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from repair_helpers import MARKER, isolated_state, quarantine_of, tree_digest  # noqa: F401
+from repair_helpers import MARKER, isolated_state, kept_digest, tree_digest  # noqa: F401
 
 from cachedoctor.fix_kinds import QUARANTINE, REENCODE
 from cachedoctor.fixtures import clean, unsafe_pickle
@@ -87,7 +87,7 @@ def test_quarantined_entries_are_written_again_as_their_neighbours_are(container
         # the trainer encoded a batch, we one image: the same latent up to rounding
         assert torch.allclose(value.float(), original.float(), atol=0.02, rtol=0.01)
     assert not scan_paths(cache).findings and not (tmp_path / MARKER).exists()
-    kept = tree_digest(quarantine_of(cache, result.run_id))
+    kept = kept_digest(cache, result.run_id)
     assert kept == {k: broken[k] for k in ("latent_001.pt", "latent_002.pt", "latent_003.pt")}
 
     undo_run(result.run_id, [str(cache)])
