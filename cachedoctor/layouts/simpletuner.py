@@ -64,7 +64,7 @@ from cachedoctor.layouts.base import (
     Origin,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.common import Problems, listdir, parent_named, typed, working_dir
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
@@ -161,13 +161,31 @@ def owner(config: ConfigFile) -> str | None:
             continue
         args, _ = main_args(main, Problems())
         named = args.get("data_backend_config")
-        if isinstance(named, str) and os.path.realpath(resolve(root, named)) == target:
+        if isinstance(named, str) and os.path.realpath(backend_path(main, root, named)) == target:
             return candidate
     return None
 
 
 def project_root(path: str) -> str:
     return working_dir(path, "config")
+
+
+EXAMPLES = "config/examples/"
+
+
+def backend_path(main: ConfigFile, root: str, named: str) -> str:
+    """Where SimpleTuner finds the data_backend_config `named`. Since e2096b30d (2025-09-20) its
+    config.json loader reads a `config/examples/<x>` value as the package's own
+    `simpletuner/examples/<x>` when that exists (helpers/configuration/json_file.py
+    _resolve_example_path), which is how the shipped examples name their backend files; a
+    config inside that folder finds it there, else the value is relative to the working dir."""
+    if main.kind == "json" and named.startswith(EXAMPLES):
+        examples = parent_named(main.path, "examples")
+        if examples is not None and os.path.basename(os.path.dirname(examples)) == "simpletuner":
+            shipped = resolve(examples, named[len(EXAMPLES):])
+            if os.path.isfile(shipped):
+                return shipped
+    return resolve(root, named)
 
 
 # -- the main config -----------------------------------------------------------------------------
@@ -241,13 +259,13 @@ def load(config: ConfigFile) -> Layout:
                          f"{named!r}: expected the path of the data backend JSON file")
         return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
                       _reason(root))
-    backend_path = resolve(root, named)
-    if not os.path.isfile(backend_path):
+    found = backend_path(config, root, named)
+    if not os.path.isfile(found):
         problems.missing(origins["data_backend_config"], "data_backend_config", named,
-                         backend_path, _reason(root))
+                         found, _reason(root))
         return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
                       _reason(root))
-    return _layout(config, load_config(backend_path, "json"), args, origins, problems)
+    return _layout(config, load_config(found, "json"), args, origins, problems)
 
 
 def _reason(root: str) -> str:
