@@ -170,21 +170,27 @@ def project_root(path: str) -> str:
     return working_dir(path, "config")
 
 
-EXAMPLES = "config/examples/"
+EXAMPLES = "config/examples/"  # SimpleTuner's examples folder before it moved into the package
+PACKAGED = "simpletuner/examples/"  # the same folder named from a checkout's root
 
 
 def backend_path(main: ConfigFile, root: str, named: str) -> str:
-    """Where SimpleTuner finds the data_backend_config `named`. Since e2096b30d (2025-09-20) its
-    config.json loader reads a `config/examples/<x>` value as the package's own
-    `simpletuner/examples/<x>` when that exists (helpers/configuration/json_file.py
-    _resolve_example_path), which is how the shipped examples name their backend files; a
-    config inside that folder finds it there, else the value is relative to the working dir."""
-    if main.kind == "json" and named.startswith(EXAMPLES):
-        examples = parent_named(main.path, "examples")
-        if examples is not None and os.path.basename(os.path.dirname(examples)) == "simpletuner":
+    """Where SimpleTuner finds the data_backend_config `named` of a config in its own package's
+    examples/ folder. Since e2096b30d (2025-09-20) its config.json loader reads a
+    `config/examples/<x>` value as the package's `simpletuner/examples/<x>` when that exists
+    (helpers/configuration/json_file.py _resolve_example_path); newer examples name it
+    `simpletuner/examples/<x>`, from the checkout's root where they are run. Any other value,
+    or one whose file is not there, is relative to the working dir."""
+    examples = parent_named(main.path, "examples")
+    package = os.path.dirname(examples) if examples is not None else ""
+    if os.path.basename(package) == "simpletuner":
+        shipped = None
+        if main.kind == "json" and named.startswith(EXAMPLES):
             shipped = resolve(examples, named[len(EXAMPLES):])
-            if os.path.isfile(shipped):
-                return shipped
+        elif named.startswith(PACKAGED):
+            shipped = resolve(os.path.dirname(package), named)
+        if shipped is not None and os.path.isfile(shipped):
+            return shipped
     return resolve(root, named)
 
 

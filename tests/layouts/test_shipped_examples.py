@@ -99,6 +99,31 @@ def test_a_simpletuner_example_finds_its_backend_in_the_packaged_examples(tmp_pa
     assert "dreambooth-512" in {d.id for d in layout.datasets}
 
 
+def test_a_simpletuner_example_naming_its_backend_from_the_checkout_root(tmp_path: Path) -> None:
+    """bghira/SimpleTuner bc8e6ab7 simpletuner/examples/infinitetalk-14b-480p-24gb.peft-lora/
+    config.json (since c6c8f94ef) names "data_backend_config":
+    "simpletuner/examples/multidatabackend-infinitetalk-480p+17f.json", a path from the
+    checkout's root. Before: CD408, looked for under the example's own folder."""
+    checkout = tmp_path / "SimpleTuner"
+    examples = checkout / "simpletuner" / "examples"
+    example = examples / "infinitetalk-14b-480p-24gb.peft-lora"
+    example.mkdir(parents=True)
+    (examples / "multidatabackend-infinitetalk-480p+17f.json").write_text(json.dumps([
+        {"id": "talk", "type": "local", "dataset_type": "video",
+         "instance_data_dir": "datasets/talk", "cache_dir_vae": "cache/vae/talk"},
+        {"id": "text", "dataset_type": "text_embeds", "default": True, "type": "local",
+         "cache_dir": "cache/text"}]))
+    config = example / "config.json"
+    config.write_text(json.dumps({
+        "data_backend_config": "simpletuner/examples/multidatabackend-infinitetalk-480p+17f.json",
+        "model_family": "wan", "model_type": "lora", "output_dir": "output/models"}))
+
+    assert not [f for f in by_code(scan_paths(config), "CD408")
+                if "data_backend_config" in f.message]
+    (layout,) = resolve([str(config)])
+    assert "talk" in {d.id for d in layout.datasets}
+
+
 def test_a_config_examples_path_outside_the_package_is_still_missing(tmp_path: Path) -> None:
     """The same value in a config of one's own project, where no config/examples/ file
     exists, is still the CD408 SimpleTuner would stop on."""
@@ -109,3 +134,39 @@ def test_a_config_examples_path_outside_the_package_is_still_missing(tmp_path: P
     (found,) = [f for f in by_code(scan_paths(project.config), "CD408")
                 if "data_backend_config" in f.message]
     assert "does not exist" in found.message
+
+
+def _env_project(tmp_path: Path, lines: str):
+    project = simpletuner.build(tmp_path / "st", config_format="env")
+    text = project.config.read_text().replace(
+        'export DATALOADER_CONFIG="config/multidatabackend.json"\n', lines)
+    project.config.write_text(text)
+    return project
+
+
+def test_a_2024_config_env_names_its_backend_through_an_earlier_variable(tmp_path: Path) -> None:
+    """bghira/SimpleTuner b084ceedd config/config.env.example (lines 72-73, as shipped until
+    1f396c22b, 2024-08-31): `export BASE_DIR="/notebooks/datasets"` then
+    `export DATALOADER_CONFIG="${BASE_DIR}/multidatabackend.json"`, which train.sh's `source
+    config/config.env` expanded. Before: CD408 for a literal "${BASE_DIR}/multidatabackend.json"
+    under the working dir."""
+    project = _env_project(tmp_path, f'export BASE_DIR="{tmp_path}/st/config"\n'
+                                     'export DATALOADER_CONFIG="${BASE_DIR}/multidatabackend.json"\n')
+    assert not by_code(scan_paths(project.config), "CD408")
+    (layout,) = resolve([str(project.config)])
+    assert layout.datasets
+
+    # single quotes keep the reference literal in bash: the file is then really not there
+    quoted = _env_project(tmp_path / "q", "export BASE_DIR=config\n"
+                                          "export DATALOADER_CONFIG='${BASE_DIR}/multidatabackend.json'\n")
+    (found,) = by_code(scan_paths(quoted.config), "CD408")
+    assert '"${BASE_DIR}/multidatabackend.json"' in found.message
+
+
+def test_env_references_that_double_at_every_line_stay_bounded(tmp_path: Path) -> None:
+    """A hostile config.env: `A=$A$A` 64 times would be 2**64 characters expanded."""
+    from cachedoctor.layouts.sources import EXPANDED_MAX, load
+
+    env = tmp_path / "config.env"
+    env.write_text("export A=xxxxxxxx\n" + "export A=$A$A\n" * 64)
+    assert len(load(str(env), "env").data["A"]) <= EXPANDED_MAX
