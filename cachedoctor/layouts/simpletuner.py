@@ -167,6 +167,16 @@ def owner(config: ConfigFile) -> str | None:
 
 
 def project_root(path: str) -> str:
+    """The folder that holds config/; for an example shipped inside a source checkout's
+    package (simpletuner/examples/ since d93abfee2), the checkout, which its
+    `simpletuner/examples/...` and `datasets/...` paths are relative to."""
+    if parent_named(path, "config") is None:
+        examples = parent_named(path, "examples")
+        package = os.path.dirname(examples) if examples is not None else ""
+        checkout = os.path.dirname(package)
+        if os.path.basename(package) == "simpletuner" and os.path.isfile(
+                os.path.join(checkout, "pyproject.toml")):
+            return checkout
     return working_dir(path, "config")
 
 

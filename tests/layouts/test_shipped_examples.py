@@ -123,6 +123,14 @@ def test_a_simpletuner_example_naming_its_backend_from_the_checkout_root(tmp_pat
     (layout,) = resolve([str(config)])
     assert "talk" in {d.id for d in layout.datasets}
 
+    # in a source checkout (its pyproject.toml) the run starts at the checkout's root, which
+    # the backend's datasets/ and cache/ paths are relative to too
+    (checkout / "pyproject.toml").write_text('[project]\nname = "simpletuner"\n')
+    (found,) = by_code(scan_paths(config), "CD408")
+    assert f"({checkout / 'datasets' / 'talk'})" in found.message
+    (checkout / "datasets" / "talk").mkdir(parents=True)
+    assert not by_code(scan_paths(config), "CD408")
+
 
 def test_a_config_examples_path_outside_the_package_is_still_missing(tmp_path: Path) -> None:
     """The same value in a config of one's own project, where no config/examples/ file
