@@ -100,9 +100,14 @@ SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
 
 def claims(config: ConfigFile) -> bool:
     data = config.data
+    # a shipped preset (training_presets/#<name>.json, in <Model>/ subfolders since 2025) holds
+    # only what it changes, no __version nor cache_dir: train.py loads it over the defaults
+    # (TrainConfig.default_values().from_dict), and every one names these four
+    preset = {"base_model_name", "model_type", "training_method", "output_model_format"}
     return (config.kind == "json" and isinstance(data, dict)
             and (("__version" in data and bool(KEYS & data.keys()))
-                 or {"cache_dir", "concept_file_name"} <= data.keys()))
+                 or {"cache_dir", "concept_file_name"} <= data.keys()
+                 or preset <= data.keys()))
 
 
 def discover(folder: str) -> list[str]:
@@ -244,6 +249,9 @@ def _sharing(path: str, root: str, cache_dir: str) -> tuple[str, ...]:
     found = []
     for other in discover(root) + discover(os.path.dirname(path)):
         if os.path.realpath(other) == os.path.realpath(path) or other in found:
+            continue
+        name = os.path.basename(other)
+        if name.startswith("#") and name != SESSION:  # a shipped preset: a template, not a run
             continue
         try:
             config = load_config(other, "json")

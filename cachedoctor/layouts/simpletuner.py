@@ -64,7 +64,7 @@ from cachedoctor.layouts.base import (
     Origin,
     frozen,
 )
-from cachedoctor.layouts.common import Problems, listdir, typed, working_dir
+from cachedoctor.layouts.common import Problems, listdir, parent_named, typed, working_dir
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
@@ -161,13 +161,47 @@ def owner(config: ConfigFile) -> str | None:
             continue
         args, _ = main_args(main, Problems())
         named = args.get("data_backend_config")
-        if isinstance(named, str) and os.path.realpath(resolve(root, named)) == target:
+        if isinstance(named, str) and os.path.realpath(backend_path(main, root, named)) == target:
             return candidate
     return None
 
 
 def project_root(path: str) -> str:
+    """The folder that holds config/; for an example shipped inside a source checkout's
+    package (simpletuner/examples/ since d93abfee2), the checkout, which its
+    `simpletuner/examples/...` and `datasets/...` paths are relative to."""
+    if parent_named(path, "config") is None:
+        examples = parent_named(path, "examples")
+        package = os.path.dirname(examples) if examples is not None else ""
+        checkout = os.path.dirname(package)
+        if os.path.basename(package) == "simpletuner" and os.path.isfile(
+                os.path.join(checkout, "pyproject.toml")):
+            return checkout
     return working_dir(path, "config")
+
+
+EXAMPLES = "config/examples/"  # SimpleTuner's examples folder before it moved into the package
+PACKAGED = "simpletuner/examples/"  # the same folder named from a checkout's root
+
+
+def backend_path(main: ConfigFile, root: str, named: str) -> str:
+    """Where SimpleTuner finds the data_backend_config `named` of a config in its own package's
+    examples/ folder. Since e2096b30d (2025-09-20) its config.json loader reads a
+    `config/examples/<x>` value as the package's `simpletuner/examples/<x>` when that exists
+    (helpers/configuration/json_file.py _resolve_example_path); newer examples name it
+    `simpletuner/examples/<x>`, from the checkout's root where they are run. Any other value,
+    or one whose file is not there, is relative to the working dir."""
+    examples = parent_named(main.path, "examples")
+    package = os.path.dirname(examples) if examples is not None else ""
+    if os.path.basename(package) == "simpletuner":
+        shipped = None
+        if main.kind == "json" and named.startswith(EXAMPLES):
+            shipped = resolve(examples, named[len(EXAMPLES):])
+        elif named.startswith(PACKAGED):
+            shipped = resolve(os.path.dirname(package), named)
+        if shipped is not None and os.path.isfile(shipped):
+            return shipped
+    return resolve(root, named)
 
 
 # -- the main config -----------------------------------------------------------------------------
@@ -241,13 +275,13 @@ def load(config: ConfigFile) -> Layout:
                          f"{named!r}: expected the path of the data backend JSON file")
         return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
                       _reason(root))
-    backend_path = resolve(root, named)
-    if not os.path.isfile(backend_path):
+    found = backend_path(config, root, named)
+    if not os.path.isfile(found):
         problems.missing(origins["data_backend_config"], "data_backend_config", named,
-                         backend_path, _reason(root))
+                         found, _reason(root))
         return Layout(NAME, config.path, (), tuple(problems.items), (config.path,), root,
                       _reason(root))
-    return _layout(config, load_config(backend_path, "json"), args, origins, problems)
+    return _layout(config, load_config(found, "json"), args, origins, problems)
 
 
 def _reason(root: str) -> str:

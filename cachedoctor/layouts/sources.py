@@ -3,7 +3,8 @@
 JSON and TOML are parsed by the standard library (its error messages name the line and column);
 a second pass over the same text records where each key and list item starts. YAML comes from
 PyYAML's safe loader and its node marks. `config.env` files are parsed like SimpleTuner's
-`parse_env_file` (`export KEY=value`, quotes stripped). A file that does not parse is a
+`parse_env_file` (`export KEY=value`, quotes stripped), with `${KEY}` of an earlier line
+expanded as the bash that once sourced it did. A file that does not parse is a
 TargetError naming the file, the place and what was expected.
 """
 
@@ -337,6 +338,26 @@ def _yaml_lines(node: Any, path: Path_, lines: dict[Path_, int]) -> None:
 # -- shell-style env files ---------------------------------------------------------------------
 
 
+# `$NAME` / `${NAME}` in an env value: until bd40dc25b (2024-08-31) SimpleTuner's train.sh
+# sourced config.env in bash, and its shipped config.env.example set
+# DATALOADER_CONFIG="${BASE_DIR}/multidatabackend.json" from a BASE_DIR set above it
+_REFERENCE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+EXPANDED_MAX = 4096  # PATH_MAX: `A=$A$A` lines would otherwise double a value at each line
+
+
+def _expand(value: str, defined: Mapping[str, str]) -> str:
+    """`value` with references to the file's earlier keys replaced as bash would; others (the
+    caller's environment, which a scan cannot know) stay as written."""
+    if "$" not in value:
+        return value
+
+    def name(match: re.Match[str]) -> str:
+        return defined.get(match.group(1) or match.group(2), match.group(0))
+
+    expanded = _REFERENCE.sub(name, value)
+    return expanded if len(expanded) <= EXPANDED_MAX else value
+
+
 def _env(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
     data: dict[str, str] = {}
     lines: dict[Path_, int] = {}
@@ -349,9 +370,10 @@ def _env(text: str, path: str) -> tuple[Any, dict[Path_, int]]:
             continue  # SimpleTuner skips a malformed line with a warning
         key, value = line.split("=", 1)
         key, value = key.strip().removesuffix("+"), value.strip()
+        literal = value.startswith("'")  # bash expands nothing inside single quotes
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
-        data[key] = value
+        data[key] = value if literal else _expand(value, data)
         lines[(key,)] = number
     return data, lines
 
