@@ -331,12 +331,17 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
         directory = text_dirs[entry.id]
         origin = (backend.origin(entry.index, "cache_dir") if entry.index >= 0
                   else Origin(backend.path, "cache_dir_text", None))
+        compress, compress_origin = _compress(backend, problems, entry, g)
+        origins = {"text_cache_dir": origin}
+        if compress_origin is not None:
+            origins["reads_gzip"] = compress_origin
         datasets.append(Dataset(
             entry.id, cache_dirs=(directory,), text_cache_dir=directory,
             model_family=g.model_family, processes=g.processes, expected_device=ANY_DEVICE,
             options=frozen({"suggest:text_cache_dir":
-                            '"cache_dir": "{output_dir}/cache/text/{model_family}"'}),
-            origins=frozen({"text_cache_dir": origin}),
+                            '"cache_dir": "{output_dir}/cache/text/{model_family}"',
+                            "compress_cache": compress, "reads_gzip": compress}),
+            origins=frozen(origins),
         ))
     return Layout(NAME, source, tuple(datasets), tuple(problems.items), files, g.root,
                   _reason(g.root))
@@ -452,6 +457,18 @@ def _flag(backend: ConfigFile, problems: Problems, entry: _Entry, key: str, defa
     return typed(backend, problems, (entry.index,), entry.values, key, bool, default, entry.id)
 
 
+def _compress(backend: ConfigFile, problems: Problems, entry: _Entry,
+              g: _Globals) -> tuple[bool, Origin | None]:
+    """A backend's compress_cache (its own, else --compress_disk_cache, default on: the field
+    registry's default_value) and where it was set. Its LocalDataBackend.torch_load gunzips
+    only with it on (and then reads plain files too, _decompress_torch falling back to the
+    bytes as they are); with it off, torch.load gets the gzip bytes and raises."""
+    if entry.index >= 0 and entry.values.get("compress_cache") is not None:
+        return (bool(_flag(backend, problems, entry, "compress_cache", True)),
+                backend.origin(entry.index, "compress_cache"))
+    return _global_flag(g, "compress_disk_cache", True), g.origins.get("compress_disk_cache")
+
+
 def _global_flag(g: _Globals, key: str, default: bool) -> bool:
     value = g.args.get(key, default)
     if isinstance(value, str):
@@ -495,6 +512,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
     cache_dir = join(entry.bucket, _key(os.path.relpath(vae, g.root) if os.path.isabs(vae) and
                                         _under(vae, g.root) else vae)) \
         if entry.bucket else resolve(g.root, vae)
+    compress, compress_origin = _compress(backend, problems, entry, g)
     ondemand = _flag(backend, problems, entry, "vae_cache_ondemand",
                      _global_flag(g, "vae_cache_ondemand", False))
     disabled = _flag(backend, problems, entry, "vae_cache_disable",
@@ -504,8 +522,8 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
                                             "vae_cache_clear_each_epoch", False),
         "vae_cache_ondemand": ondemand,
         "vae_cache_disable": disabled,
-        "compress_cache": _flag(backend, problems, entry, "compress_cache",
-                                _global_flag(g, "compress_disk_cache", True)),
+        "compress_cache": compress,
+        "reads_gzip": compress,  # its VAE cache is read by this backend (CD109)
         "crop_aspect": values.get("crop_aspect"),
         "suggest:latent_cache_dir": f'"cache_dir_vae": "{{output_dir}}/cache/vae/{{model_family}}/{ident}"',
     }
@@ -514,6 +532,8 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         "latent_cache_dir": vae_origin,
         "dataset": backend.origin(i),
     }
+    if compress_origin is not None:
+        origins["reads_gzip"] = compress_origin
     for option in ("vae_cache_clear_each_epoch", "crop_aspect"):
         if option in values:
             origins[option] = backend.origin(i, option)
