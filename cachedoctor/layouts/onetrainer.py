@@ -343,6 +343,43 @@ def aggregate_entries(path: str, root: str) -> Samples | None:
     return tuple(entries)
 
 
+# A cache scanned without its config has no model_type: its latent factor is the one most of
+# its samples show, crop_resolution over the latent's size (8, or Sana's 32: mgds writes what
+# the model's VAE made). Headers of at most FACTOR_SAMPLES samples, spread over the folders.
+SEEN_FACTORS = (8, 16, 32)
+FACTOR_SAMPLES = 32
+LATENT_PATHS = (("latent_image",), ("latent_image_distribution", "mean"))  # before 474dd2c6
+
+
+def seen_factor(aggregates: Mapping[str, Samples]) -> int:
+    """The VAE factor most samples' latents have against their aggregate.pt crop_resolution;
+    VAE_FACTOR where none tells (no readable sample, no whole factor, a tie)."""
+    from collections import Counter
+
+    from cachedoctor.formats import read_path
+
+    listed = [(folder, i, crop) for folder, samples in sorted(aggregates.items())
+              for i, (_, crop) in enumerate(samples) if crop is not None]
+    step = max(1, len(listed) // FACTOR_SAMPLES)
+    votes: Counter[int] = Counter()
+    for folder, index, (crop_h, crop_w) in listed[::step][:FACTOR_SAMPLES]:
+        try:
+            meta = read_path(os.path.join(folder, f"{index}.pt"))
+        except OSError:
+            continue
+        latent = next((t for t in meta.tensors if t.path in LATENT_PATHS), None)
+        if meta.errors or latent is None or len(latent.shape) < 2:
+            continue
+        h, w = latent.shape[-2:]
+        factor = crop_h // h if h and crop_h % h == 0 else None
+        if factor in SEEN_FACTORS and w * factor == crop_w:
+            votes[factor] += 1
+    ranked = votes.most_common(2)
+    if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
+        return VAE_FACTOR
+    return ranked[0][0]
+
+
 @dataclass(frozen=True)
 class OneTrainerNaming(Naming):
     """OneTrainer's naming: numbered samples per variation folder, mapped by aggregate.pt."""
