@@ -23,6 +23,10 @@ train device (no CD501, no CD502). With `clear_cache_before_training` (the defau
 `latent_caching`, the master process deletes `image/` and `text/` at every start
 (GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
 
+Concepts: enabled ones, but those of `type` VALIDATION only with `validation` on (only the
+validation data loader reads them). A concept none of whose images an aggregate.pt lists is
+one mgds has yet to cache (at its loader's start): its images are expected of no entry.
+
 One dataset per config (named after the config file): OneTrainer's concepts share one cache.
 """
 
@@ -93,6 +97,10 @@ VAE_FACTOR = 8
 # (SanaBaseDataLoader.py masks at factor 0.03125); Wuerstchen and Stable Cascade encode a 0.75
 # scaled image with EfficientNet at 1/32 (WuerstchenBaseDataLoader.py), no whole factor: None
 VAE_FACTORS: dict[str, int | None] = {"SANA": 32, "WUERSTCHEN_2": None, "STABLE_CASCADE_1": None}
+# ConceptConfig `type`: DataLoaderMgdsMixin._create_mgds gives the training loader every other
+# concept and the validation loader these; GenericTrainer makes that loader only with
+# `validation` on, so with it off nothing caches or reads them
+VALIDATION = "VALIDATION"
 PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
 SESSION = "#.json"  # the UI's last-session state, saved in PRESETS at every change
 SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
@@ -138,6 +146,7 @@ def load(config: ConfigFile) -> Layout:
     temp_device = str(get("temp_device", str, "cpu"))
     multi_gpu = bool(get("multi_gpu", bool, False))
     factor = VAE_FACTORS.get(str(get("model_type", str, "")), VAE_FACTOR)
+    validation = bool(get("validation", bool, False))
     indexes = str(get("device_indexes", str, ""))
     processes = (len([i for i in indexes.split(",") if i.strip()]) or 2) if multi_gpu else 1
     concepts, concepts_file = _concepts(config, root, ident, problems)
@@ -155,6 +164,8 @@ def load(config: ConfigFile) -> Layout:
             continue
         if not typed(where, problems, at, concept, "enabled", bool, True, ident):
             continue
+        if concept.get("type") == VALIDATION and not validation:
+            continue  # only the validation data loader reads it, and it runs with validation on
         path = typed(where, problems, at, concept, "path", str, "", ident)
         name = concept.get("name") or f"#{index + 1}"
         if not path:
@@ -176,6 +187,7 @@ def load(config: ConfigFile) -> Layout:
             shallow.append(directory)
     aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
     text_gone = _text_gone(aggregates, pairs)
+    uncached = _uncached(image_dirs, concept_caches, aggregates)
     shared = _sharing(config.path, root, cache_dir) if clear and latent_caching else ()
     origins = {
         "latent_cache_dir": config.origin("cache_dir"),
@@ -207,6 +219,7 @@ def load(config: ConfigFile) -> Layout:
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching,
                                 vae_factor=factor,
                                 concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()}),
+                                uncached=uncached,
                                 text_gone=frozen(text_gone)),
     )
     return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
@@ -272,6 +285,20 @@ def _text_gone(aggregates: Mapping[str, Samples], pairs: list[tuple[str, str]]) 
             if image is not None and not os.path.lexists(path):
                 out[image] = path
     return out
+
+
+def _uncached(image_dirs: list[str], concept_caches: Mapping[str, list[str]],
+              aggregates: Mapping[str, Samples]) -> tuple[str, ...]:
+    """The concept folders mgds has yet to cache: no aggregate.pt of their group folders exists
+    and none under image/ lists an image of theirs. mgds (DiskCache.__is_caching_done) caches
+    such a concept's group at the start of its data loader, as it does a whole new cache: its
+    images are no missing entries. A concept whose aggregate.pt lists some of its images is
+    cached, and an image it does not list is one mgds never caches."""
+    parents = {os.path.dirname(image) for samples in aggregates.values()
+               for image, _ in samples if image is not None}
+    return tuple(d for d in dict.fromkeys(image_dirs)
+                 if not concept_caches.get(d) and not any(
+                     p == d or p.startswith(d.rstrip(os.sep) + os.sep) for p in parents))
 
 
 def _group_aggregates(cache_dir: str, concept: dict) -> dict[str, list[str]]:
@@ -389,6 +416,7 @@ class OneTrainerNaming(Naming):
     concept_caches: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
     text_gone: Mapping[str, str] = field(default_factory=frozen)  # image -> missing text sample
     vae_factor: int | None = VAE_FACTOR  # the model type's (VAE_FACTORS); None: not a whole one
+    uncached: tuple[str, ...] = ()  # concept folders mgds has yet to cache (_uncached)
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(self, changes)
@@ -432,6 +460,8 @@ class _Directory(DirectoryNaming):
         self.naming = naming
         self.entries = naming.aggregates.get(path)
         self.in_variation = sample_folder(path)
+        self.pending = any(path == d or path.startswith(d.rstrip(os.sep) + os.sep)
+                           for d in naming.uncached)
 
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.area != "images":
@@ -442,7 +472,7 @@ class _Directory(DirectoryNaming):
         key = os.path.join(self.path, name)
         if key in self.naming.text_gone:  # its latent is there, its text sample is not: CD404
             return f"{key}@text", self.naming.expects_cache
-        return key, self.naming.expects_cache
+        return key, self.naming.expects_cache and not self.pending
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_variation or not name.endswith(".pt"):

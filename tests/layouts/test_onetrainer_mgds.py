@@ -9,9 +9,11 @@ one mgds caches again from the images.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from cachedoctor.fixtures.projects import onetrainer
@@ -185,3 +187,48 @@ def test_a_missing_text_sample_is_cd404_on_its_image(tmp_path: Path) -> None:
     assert "aggregate.pt out of the cache" in " ".join(result.output.split())
     (text / "aggregate.pt").rename(tmp_path / "aggregate.pt")
     assert mgds_start(cache) == [text]
+
+
+def _add_concept(project, name: str, **values: object) -> Path:
+    """A concept whose images exist but which mgds has not cached yet (no group folder)."""
+    from cachedoctor.fixtures.projects import images
+
+    concepts_file = project.root / "training_concepts/concepts.json"
+    concepts = json.loads(concepts_file.read_text())
+    added = {**onetrainer.concept(f"datasets/{name}", name=name, seed=77), **values}
+    concepts_file.write_text(json.dumps([*concepts, added], indent=4))
+    images(project.root / "datasets" / name, n_per_bucket=1, seed=9, prefix=name)
+    return project.root / "datasets" / name
+
+
+def _set_config(project, **changes: object) -> None:
+    config = json.loads(project.config.read_text())
+    project.config.write_text(json.dumps({**config, **changes}, indent=4))
+
+
+def test_a_concept_mgds_has_yet_to_cache_is_no_missing_entry(tmp_path: Path) -> None:
+    """A concept added after the others were cached has no group folder: mgds
+    (DiskCache.__is_caching_done) caches its group when its data loader starts, as it does a
+    new cache. Before, each of its images was CD404 ('added after its concept was cached')."""
+    project = onetrainer.build(tmp_path / "ot")
+    _add_concept(project, "style")
+    assert mgds_start(project.root / "workspace-cache/run") == []  # nothing half-cached
+    assert not codes(scan_paths(project.config))
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_a_validation_concept_is_cached_only_with_validation_on(tmp_path: Path,
+                                                               validation: bool) -> None:
+    """OneTrainer 23df3832 DataLoaderMgdsMixin._create_mgds gives the training loader the
+    concepts of every type but VALIDATION and the validation loader those; GenericTrainer
+    makes that loader only with `validation` on. Off, its images are never cached nor read;
+    on, mgds caches them in the same cache_dir, and an image added to its cached group is
+    CD404 as in any concept."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    concepts_file = project.root / "training_concepts/concepts.json"
+    concepts = json.loads(concepts_file.read_text())
+    concepts[0]["type"] = "VALIDATION"
+    concepts_file.write_text(json.dumps(concepts, indent=4))
+    _set_config(project, validation=validation)
+    found = by_code(scan_paths(project.config), "CD404")
+    assert [f.path for f in found] == ([project.expected["CD404"][0][0]] if validation else [])
