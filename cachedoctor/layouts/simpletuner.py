@@ -315,6 +315,7 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
                          f"{type(backend.data).__name__}: expected a JSON list of datasets")
         return Layout(NAME, source, (), tuple(problems.items), files, g.root, _reason(g.root))
     entries = _entries(backend, g, problems)
+    compression = {e.id: _compress(backend, problems, e, g) for e in entries}
     text = [e for e in entries if e.dataset_type == "text_embeds"]
     if not text:
         directory = os.path.join(g.output_dir, "cache", "text", g.model_family)
@@ -324,14 +325,15 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
     datasets: list[Dataset] = []
     for entry in entries:
         if entry.dataset_type in IMAGE_TYPES:
-            made = _image_dataset(backend, entry, g, text_dirs, problems)
+            made = _image_dataset(backend, entry, g, text_dirs, problems, compression)
             if made is not None:
                 datasets.append(made)
     for entry in text:
         directory = text_dirs[entry.id]
         origin = (backend.origin(entry.index, "cache_dir") if entry.index >= 0
                   else Origin(backend.path, "cache_dir_text", None))
-        compress, compress_origin = _compress(backend, problems, entry, g)
+        compress, compress_origin = compression.get(entry.id) or _compress(
+            backend, problems, entry, g)  # (the text dataset SimpleTuner adds: the global flag)
         origins = {"text_cache_dir": origin}
         if compress_origin is not None:
             origins["reads_gzip"] = compress_origin
@@ -477,7 +479,8 @@ def _global_flag(g: _Globals, key: str, default: bool) -> bool:
 
 
 def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: dict[str, str],
-                   problems: Problems) -> Dataset | None:
+                   problems: Problems,
+                   compression: Mapping[str, tuple[bool, Origin | None]]) -> Dataset | None:
     i, values, ident = entry.index, entry.values, entry.id
     key = "instance_data_dir" if "instance_data_dir" in values else "instance_data_root"
     if entry.bucket is not None:  # SimpleTuner's instance_data_dir is the aws_data_prefix
@@ -512,7 +515,13 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
     cache_dir = join(entry.bucket, _key(os.path.relpath(vae, g.root) if os.path.isabs(vae) and
                                         _under(vae, g.root) else vae)) \
         if entry.bucket else resolve(g.root, vae)
-    compress, compress_origin = _compress(backend, problems, entry, g)
+    compress, _ = compression[entry.id]
+    # its VAE cache is read by its own backend, or by the `image_embeds` dataset it names
+    # (factory.py _get_image_embed_backend: VAECache(cache_data_backend=...)); one not in this
+    # config (remote, or a typo SimpleTuner stops on) reads it as it may: no CD109
+    embeds = values.get("image_embeds")
+    reads_gzip, compress_origin = compression.get(embeds, (True, None)) if isinstance(
+        embeds, str) else compression[entry.id]
     ondemand = _flag(backend, problems, entry, "vae_cache_ondemand",
                      _global_flag(g, "vae_cache_ondemand", False))
     disabled = _flag(backend, problems, entry, "vae_cache_disable",
@@ -523,7 +532,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         "vae_cache_ondemand": ondemand,
         "vae_cache_disable": disabled,
         "compress_cache": compress,
-        "reads_gzip": compress,  # its VAE cache is read by this backend (CD109)
+        "reads_gzip": reads_gzip,  # whether the backend reading its VAE cache gunzips (CD109)
         "crop_aspect": values.get("crop_aspect"),
         "suggest:latent_cache_dir": f'"cache_dir_vae": "{{output_dir}}/cache/vae/{{model_family}}/{ident}"',
     }

@@ -115,3 +115,25 @@ def test_a_dataset_s_compress_cache_wins_over_the_global_flag(tmp_path: Path,
     expect_vae = {str(p) for p in files if str(p) not in texts and not loads(p, False)} \
         if dataset_value else set()
     assert found == expect_text | expect_vae
+
+
+@pytest.mark.parametrize("embeds_compress", [True, False])
+def test_the_image_embeds_backend_a_dataset_names_reads_its_vae_cache(
+        tmp_path: Path, embeds_compress: bool) -> None:
+    """factory.py `_get_image_embed_backend`: a dataset with `image_embeds: <id>` has its VAE
+    cache read through that image_embeds dataset's backend (`VAECache(cache_data_backend=...)`),
+    so that backend's compress_cache decides, not the dataset's own."""
+    project, files = _project(tmp_path)
+    backend = project.config.parent / "multidatabackend.json"
+    backends = json.loads(backend.read_text())
+    photos = next(i for i, b in enumerate(backends) if b.get("id") == "photos")
+    backends[photos]["image_embeds"] = "vae-store"
+    backends[photos]["compress_cache"] = not embeds_compress
+    backends.append({"id": "vae-store", "type": "local", "dataset_type": "image_embeds",
+                     "compress_cache": embeds_compress})
+    backend.write_text(json.dumps(backends, indent=2))
+    text_dir = project.root / "cache" / "text"
+    vae = {str(p) for p in files if not p.is_relative_to(text_dir)}
+    found = {f.path for f in by_code(scan_paths(project.config), "CD109")}
+    assert found == (set() if embeds_compress else {p for p in vae if not loads(Path(p), False)})
+    assert found or embeds_compress
