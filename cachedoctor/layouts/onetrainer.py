@@ -74,6 +74,7 @@ TITLE = "OneTrainer"
 KEYS = frozenset({"cache_dir", "concepts", "concept_file_name", "latent_caching",
                   "clear_cache_before_training", "train_device", "workspace_dir"})
 VARIATION = re.compile(r"^variation-\d+$")
+LISTED = "listed"  # CacheFacts.naming of a sample its folder's aggregate.pt lists
 # mgds before a8e7480 (2023-12-16, "replace epochs with variations"; OneTrainer before 49e3ad38):
 # DiskCache wrote `<cache_dir>/image/epoch-<n>/` and `text/epoch-<n>/` (n: the epoch modulo
 # latent_caching_epochs), no group folder, the same `<i>.pt` and `aggregate.pt` in them
@@ -434,6 +435,12 @@ class OneTrainerNaming(Naming):
                     out.setdefault(image, os.path.join(folder, f"{index}.pt"))
         return out
 
+    def concept_aggregates(self, folder: str) -> tuple[str, ...]:
+        """The aggregate.pt files (image and text) of the concept whose image cache holds the
+        variation folder `folder`; () where the concept's group folders are not known."""
+        mine = os.path.join(folder, AGGREGATE)
+        return next((found for found in self.concept_caches.values() if mine in found), ())
+
     def expected_entry(self, image: str) -> str:
         listed = self.listings.get(image)
         return listed if listed is not None else "an entry in an aggregate.pt"
@@ -488,11 +495,12 @@ class _Directory(DirectoryNaming):
         image, crop = self.entries[index]
         if image in self.naming.text_gone:
             image = None  # its image is reported for its missing text sample, this is no orphan
+        # "listed": mgds loads it by number whatever became of its image (CD406 when it is gone)
         if crop is None:
-            return CacheFacts(key=image)
+            return CacheFacts(key=image, naming=LISTED)
         h, w = crop
         factor = self.naming.vae_factor
-        return CacheFacts(key=image, bucket=f"{w}x{h}",
+        return CacheFacts(key=image, bucket=f"{w}x{h}", naming=LISTED,
                           expected=(h // factor, w // factor) if factor else None)
 
 

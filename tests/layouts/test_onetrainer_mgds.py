@@ -232,3 +232,39 @@ def test_a_validation_concept_is_cached_only_with_validation_on(tmp_path: Path,
     _set_config(project, validation=validation)
     found = by_code(scan_paths(project.config), "CD404")
     assert [f.path for f in found] == ([project.expected["CD404"][0][0]] if validation else [])
+
+
+def mgds_epoch(folder: Path, images: list[str]) -> list[str]:
+    """The image_path of the sample mgds loads for each of the concept's images as it lists
+    them now: DiskCache.__get_input_index gives group index i, get_item opens sample i of the
+    cached folder's aggregate.pt, whatever image it was cached from."""
+    listed = torch.load(folder / "aggregate.pt", weights_only=True, map_location="cpu")
+    return [listed[i]["image_path"] for i in range(len(images))]
+
+
+def test_an_image_deleted_from_a_cached_concept_is_cd406_on_its_folder(tmp_path: Path) -> None:
+    """mgds 3a6994ad DiskCache: a variation folder with an aggregate.pt is cached; with an image
+    gone, sample i is still loaded for the concept's i-th image, so the deleted picture keeps
+    training and the folder's last sample is never loaded. Before, its sample was CD405 info
+    ("never trained on"). The fix moves the concept's image and text aggregate.pt away (both:
+    text sample i is paired with latent sample i), and mgds caches both folders again."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+    [text] = (cache / "text").glob("*/variation-0")
+    person = project.root / "datasets" / "person"
+    pictures = sorted(p for p in person.iterdir() if p.suffix == ".png")
+    pictures[1].unlink()
+    loaded = mgds_epoch(image, pictures[:1] + pictures[2:])
+    assert loaded[1].endswith(pictures[1].name)  # the deleted picture still trains
+    assert not any(p.endswith(pictures[-1].name) for p in loaded)  # the last never does
+
+    report = scan_paths(project.config)
+    (found,) = by_code(report, "CD406")
+    assert found.path == str(image) and pictures[1].name in found.message
+    assert not by_code(report, "CD405")
+
+    result = invoke("fix", str(project.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert mgds_start(cache) == [image, text]
+    assert not {f.code for f in scan_paths(project.config).findings if f.severity >= 2}
