@@ -456,8 +456,11 @@ class OneTrainerNaming(Naming):
             folder, name = os.path.split(listed)
             return (f"{display_path(os.path.join(folder, AGGREGATE))} lists it as sample "
                     f"{name[:-3]}, but {name} is missing")
+        # mgds (DiskCache.get_item) takes group index i for the concept's i-th image as listed
+        # now: with more images than the aggregate lists, the last index runs past it
         return (f"no aggregate.pt under {cache_dir} lists it (added after its concept was cached:"
-                " mgds does not cache it again while the folder's aggregate.pt exists)")
+                " mgds does not cache it again while the folder's aggregate.pt exists, and stops "
+                "with IndexError at the concept's last image, past what aggregate.pt lists)")
 
 
 class _Directory(DirectoryNaming):

@@ -268,3 +268,17 @@ def test_an_image_deleted_from_a_cached_concept_is_cd406_on_its_folder(tmp_path:
     assert result.exit_code == 0, result.output
     assert mgds_start(cache) == [image, text]
     assert not {f.code for f in scan_paths(project.config).findings if f.severity >= 2}
+
+
+def test_an_image_added_to_a_cached_concept_says_mgds_stops_with_index_error(
+        tmp_path: Path) -> None:
+    """With one image more than aggregate.pt lists, mgds' group index for the concept's last
+    image runs past the aggregate (DiskCache.get_item: IndexError, run from mgds 3a6994ad)."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    [image] = (project.root / "workspace-cache/run/image").glob("*/variation-0")
+    person = project.root / "datasets" / "person"
+    pictures = sorted(p for p in person.iterdir() if p.suffix == ".png")
+    with pytest.raises(IndexError):
+        mgds_epoch(image, pictures)
+    (missing,) = by_code(scan_paths(project.config), "CD404")
+    assert "IndexError" in missing.message
