@@ -98,6 +98,8 @@ VAE_FACTOR = 8
 # (SanaBaseDataLoader.py masks at factor 0.03125); Wuerstchen and Stable Cascade encode a 0.75
 # scaled image with EfficientNet at 1/32 (WuerstchenBaseDataLoader.py), no whole factor: None
 VAE_FACTORS: dict[str, int | None] = {"SANA": 32, "WUERSTCHEN_2": None, "STABLE_CASCADE_1": None}
+INPAINTING = frozenset({"STABLE_DIFFUSION_15_INPAINTING", "STABLE_DIFFUSION_20_INPAINTING",
+                        "STABLE_DIFFUSION_XL_10_BASE_INPAINTING", "FLUX_FILL_DEV_1"})
 # ConceptConfig `type`: DataLoaderMgdsMixin._create_mgds gives the training loader every other
 # concept and the validation loader these; GenericTrainer makes that loader only with
 # `validation` on, so with it off nothing caches or reads them
@@ -146,7 +148,9 @@ def load(config: ConfigFile) -> Layout:
     train_device = str(get("train_device", str, "cuda"))
     temp_device = str(get("temp_device", str, "cpu"))
     multi_gpu = bool(get("multi_gpu", bool, False))
-    factor = VAE_FACTORS.get(str(get("model_type", str, "")), VAE_FACTOR)
+    model_type = str(get("model_type", str, ""))
+    factor = VAE_FACTORS.get(model_type, VAE_FACTOR)
+    sample_keys = loaded_keys(model_type, bool(get("masked_training", bool, False)))
     validation = bool(get("validation", bool, False))
     indexes = str(get("device_indexes", str, ""))
     processes = (len([i for i in indexes.split(",") if i.strip()]) or 2) if multi_gpu else 1
@@ -214,6 +218,7 @@ def load(config: ConfigFile) -> Layout:
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
                         "train_device": train_device, "temp_device": temp_device,
+                        "sample_keys": sample_keys,
                         "cache_shared_with": shared,
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
@@ -225,6 +230,20 @@ def load(config: ConfigFile) -> Layout:
     )
     return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
                   _reason(root))
+
+
+def loaded_keys(model_type: str, masked_training: bool) -> tuple[str, ...]:
+    """The tensors besides the latent that OneTrainer's data loader reads from every image
+    sample (its `image_split_names`, modules/dataLoader/*BaseDataLoader.py `_cache_modules`):
+    `latent_mask` with masked_training or an inpainting model type, and
+    `latent_conditioning_image` for those model types (ModelType.has_mask_input,
+    has_conditioning_image_input)."""
+    keys = []
+    if masked_training or model_type in INPAINTING:
+        keys.append("latent_mask")
+    if model_type in INPAINTING:
+        keys.append("latent_conditioning_image")
+    return tuple(keys)
 
 
 def _concepts(config: ConfigFile, root: str, ident: str,

@@ -282,3 +282,51 @@ def test_an_image_added_to_a_cached_concept_says_mgds_stops_with_index_error(
         mgds_epoch(image, pictures)
     (missing,) = by_code(scan_paths(project.config), "CD404")
     assert "IndexError" in missing.message
+
+
+def _without_masks(project) -> list[Path]:
+    """The project's samples as cached before masked_training was on: no latent_mask."""
+    samples = sorted((project.root / "workspace-cache/run/image").glob("*/variation-0/[0-9]*.pt"))
+    for path in samples:
+        sample = torch.load(path, map_location="cpu", weights_only=True)
+        sample.pop("latent_mask", None)
+        torch.save(sample, path)
+    return samples
+
+
+def _with_masks(project) -> None:
+    """As mgds caches them with masked_training: `latent_mask` [1, h, w] beside the latent
+    (OneTrainer 23df3832 *BaseDataLoader.py: ScaleImage(in_name='mask', factor=0.125))."""
+    for path in (project.root / "workspace-cache/run/image").glob("*/variation-0/[0-9]*.pt"):
+        sample = torch.load(path, map_location="cpu", weights_only=True)
+        sample["latent_mask"] = torch.ones(1, *sample["latent_image"].shape[-2:])
+        torch.save(sample, path)
+
+
+def test_a_sample_without_the_latent_mask_masked_training_reads_is_cd110(tmp_path: Path) -> None:
+    """masked_training turned on over a cache made without it: mgds DiskCache.get_item copies
+    `split_item['latent_mask']` and raises KeyError (run from mgds 3a6994ad). The fix moves the
+    samples and their aggregate.pt away, and mgds caches the folder again."""
+    project = onetrainer.build(tmp_path / "ot")
+    samples = _without_masks(project)
+    _set_config(project, masked_training=True)
+    found = by_code(scan_paths(project.config), "CD110")
+    assert sorted(f.path for f in found) == [str(p) for p in samples]
+    assert "latent_mask" in found[0].message
+
+    result = invoke("fix", str(project.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert mgds_start(project.root / "workspace-cache/run") == [samples[0].parent]
+    assert not by_code(scan_paths(project.config), "CD110")
+
+
+def test_samples_with_their_masks_or_a_cache_rebuilt_at_start_are_no_cd110(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot")
+    _set_config(project, masked_training=True)
+    _with_masks(project)
+    assert not by_code(scan_paths(project.config), "CD110")
+    _without_masks(project)
+    _set_config(project, clear_cache_before_training=True)  # OneTrainer caches it all again
+    assert not by_code(scan_paths(project.config), "CD110")
+    _set_config(project, clear_cache_before_training=False, masked_training=False)
+    assert not by_code(scan_paths(project.config), "CD110")
