@@ -2,9 +2,11 @@
 Reports cache entries that no image maps to under the trainer's naming: latents of images that
 were renamed, moved or deleted, files of an older naming scheme (SimpleTuner's unhashed
 `<stem>.pt`, no longer read since hashing became the only scheme), OneTrainer files beyond
-what their folder's `aggregate.pt` lists (a sample it lists for an image now gone is CD406:
-mgds still loads it). Also reports a SimpleTuner bucket file
+what their folder's `aggregate.pt` lists. Also reports a SimpleTuner bucket file
 (`aspect_ratio_bucket_indices_<id>.json`) that lists images which no longer exist.
+
+A OneTrainer sample that `aggregate.pt` lists for an image now gone is CD406's: mgds still
+loads it.
 
 ## Why is this bad?
 Orphans cost disk space and scan time and are never trained on; a pile of them usually means

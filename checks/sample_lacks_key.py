@@ -69,4 +69,5 @@ RULE = Rule(
     doc=__doc__,
     fix=FixKind.QUARANTINE,
     check_file=check,
+    names=True,  # a sample is told by its name and folder, not its content alone
 )
