@@ -4,8 +4,9 @@ already holds entries (an empty or absent cache is one the trainer has yet to bu
 images count is the trainer's call: SimpleTuner expects an entry for every image its bucket file
 lists (every image, before the first bucket scan) unless `vae_cache_ondemand` or
 `vae_cache_disable`; kohya for every image of a subset (`<stem>_<W>x<H>_<arch>.npz` or
-`<stem>.npz` beside it); OneTrainer for every image of an enabled concept (an entry in some
-`aggregate.pt`), unless it clears its cache at each start; ai-toolkit with
+`<stem>.npz` beside it); OneTrainer for every image of an enabled concept that mgds has cached
+(an entry in some `aggregate.pt`; a concept none lists an image of is one it caches at its
+start, a `VALIDATION` one only with `validation` on), unless it clears its cache at each start; ai-toolkit with
 `cache_latents_to_disk`, for every image (a `_latent_cache/<stem>_<hash>.safetensors` whose
 header names it; with a list of resolutions, one per distinct bucket they give the image;
 scanned without the job config, for every image whose folder holds a `_latent_cache/`, one per

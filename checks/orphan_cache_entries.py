@@ -5,6 +5,9 @@ were renamed, moved or deleted, files of an older naming scheme (SimpleTuner's u
 what their folder's `aggregate.pt` lists. Also reports a SimpleTuner bucket file
 (`aspect_ratio_bucket_indices_<id>.json`) that lists images which no longer exist.
 
+A OneTrainer sample that `aggregate.pt` lists for an image now gone is CD406's: mgds still
+loads it.
+
 ## Why is this bad?
 Orphans cost disk space and scan time and are never trained on; a pile of them usually means
 a cache from another dataset or naming scheme sits in this one (see CD402). Stale bucket-file
@@ -31,6 +34,7 @@ from collections.abc import Iterator
 
 from cachedoctor.findings import Finding, Severity
 from cachedoctor.fix_kinds import FixKind
+from cachedoctor.layouts.onetrainer import LISTED
 from cachedoctor.rule import Rule, RuleContext, no_files
 from cachedoctor.summary import DatasetView
 from cachedoctor.units import count
@@ -50,6 +54,8 @@ def check_dataset(view: DatasetView, ctx: RuleContext) -> Iterator[Finding]:
     if facts is None or facts.cache_rebuilt_at_start:
         return
     for path, key, note in view.orphans():
+        if note == LISTED:
+            continue  # a OneTrainer sample mgds still loads: CD406's
         message = WHY.get(note or "", "no source image maps to this entry (a renamed or deleted "
                                       "image, or another dataset's cache)")
         yield RULE.finding(path, message, ctx, key=key, naming=note)

@@ -15,7 +15,9 @@ semantics then apply:
   `_latent_cache/` itself: the images belong, the `_latent_cache` folders are its caches, and
   their headers name the images, so coverage rules run (layouts/aitoolkit.py, `bare`);
 - `variation-<n>/<i>.pt` (OneTrainer; before mgds a8e7480 `image/epoch-<n>/`, `text/epoch-<n>/`):
-  `crop_resolution` from the folder's `aggregate.pt`, or no bucket without one;
+  `crop_resolution` from the folder's `aggregate.pt`, or no bucket without one; the latent size
+  that crop needs by the factor most samples show against theirs (no model_type without the
+  config: Sana's 32, else 8; onetrainer.seen_factor);
 - `<sha256>.pt` (SimpleTuner): no bucket (its sub-folders mirror the image folders);
 - `<stem>_<W>x<H>_<arch>.safetensors` with musubi-tuner's header (`format_version`,
   `architecture`): no bucket, the architecture its family; a folder holding such files beside
@@ -92,11 +94,13 @@ def layout(path: str) -> Layout:
     if latent_caches:
         return _aitoolkit(name, path, tuple(latent_caches))
     aggregates = _aggregates(path) if isdir else {}
-    naming = BareNaming(frozen(aggregates), path)
+    factor = onetrainer.seen_factor(aggregates) if aggregates else onetrainer.VAE_FACTOR
+    naming = BareNaming(frozen(aggregates), path, factor)
     # OneTrainer saves from and loads to its train_device (mgds DiskCache: torch.save without
     # .cpu(), torch.load with map_location): without the config, any device is its own
     device = ANY_DEVICE if aggregates else None
-    return Layout("bare", None, (Dataset(name, (path,), naming=naming, expected_device=device),))
+    return Layout("bare", None, (Dataset(name, (path,), naming=naming, expected_device=device,
+                                         vae_factor=factor),))
 
 
 def dataset_folder(directory: str, root: str) -> str:
@@ -199,6 +203,7 @@ class BareNaming(Naming):
 
     aggregates: Mapping[str, onetrainer.Samples]
     root: str = ""  # the dir scanned (absolute): dataset folders stop there
+    vae_factor: int = onetrainer.VAE_FACTOR  # OneTrainer samples' (onetrainer.seen_factor)
 
     def directory(self, path: str, bucket: str | None, area: str) -> DirectoryNaming:
         return _Directory(self, path, bucket)
@@ -289,8 +294,8 @@ class _Directory(DirectoryNaming):
             # a8e7480: mgds loads with map_location=train_device
             if _group(os.path.basename(os.path.dirname(path))) or onetrainer.EPOCH.match(base):
                 self.expected_device = ANY_DEVICE
-            self.onetrainer = onetrainer.OneTrainerNaming(naming.aggregates).directory(
-                path, bucket, "cache")
+            self.onetrainer = onetrainer.OneTrainerNaming(
+                naming.aggregates, vae_factor=naming.vae_factor).directory(path, bucket, "cache")
 
     def images_belong(self) -> bool:
         try:

@@ -23,6 +23,10 @@ train device (no CD501, no CD502). With `clear_cache_before_training` (the defau
 `latent_caching`, the master process deletes `image/` and `text/` at every start
 (GenericTrainer.__clear_cache), so missing, orphan or stale entries do not matter then.
 
+Concepts: enabled ones, but those of `type` VALIDATION only with `validation` on (only the
+validation data loader reads them). A concept none of whose images an aggregate.pt lists is
+one mgds has yet to cache (at its loader's start): its images are expected of no entry.
+
 One dataset per config (named after the config file): OneTrainer's concepts share one cache.
 """
 
@@ -70,6 +74,7 @@ TITLE = "OneTrainer"
 KEYS = frozenset({"cache_dir", "concepts", "concept_file_name", "latent_caching",
                   "clear_cache_before_training", "train_device", "workspace_dir"})
 VARIATION = re.compile(r"^variation-\d+$")
+LISTED = "listed"  # CacheFacts.naming of a sample its folder's aggregate.pt lists
 # mgds before a8e7480 (2023-12-16, "replace epochs with variations"; OneTrainer before 49e3ad38):
 # DiskCache wrote `<cache_dir>/image/epoch-<n>/` and `text/epoch-<n>/` (n: the epoch modulo
 # latent_caching_epochs), no group folder, the same `<i>.pt` and `aggregate.pt` in them
@@ -93,6 +98,12 @@ VAE_FACTOR = 8
 # (SanaBaseDataLoader.py masks at factor 0.03125); Wuerstchen and Stable Cascade encode a 0.75
 # scaled image with EfficientNet at 1/32 (WuerstchenBaseDataLoader.py), no whole factor: None
 VAE_FACTORS: dict[str, int | None] = {"SANA": 32, "WUERSTCHEN_2": None, "STABLE_CASCADE_1": None}
+INPAINTING = frozenset({"STABLE_DIFFUSION_15_INPAINTING", "STABLE_DIFFUSION_20_INPAINTING",
+                        "STABLE_DIFFUSION_XL_10_BASE_INPAINTING", "FLUX_FILL_DEV_1"})
+# ConceptConfig `type`: DataLoaderMgdsMixin._create_mgds gives the training loader every other
+# concept and the validation loader these; GenericTrainer makes that loader only with
+# `validation` on, so with it off nothing caches or reads them
+VALIDATION = "VALIDATION"
 PRESETS = "training_presets"  # where the UI saves configs, in OneTrainer's working dir
 SESSION = "#.json"  # the UI's last-session state, saved in PRESETS at every change
 SUGGESTED = '"cache_dir": "workspace-cache/run"'  # OneTrainer's default
@@ -142,7 +153,10 @@ def load(config: ConfigFile) -> Layout:
     train_device = str(get("train_device", str, "cuda"))
     temp_device = str(get("temp_device", str, "cpu"))
     multi_gpu = bool(get("multi_gpu", bool, False))
-    factor = VAE_FACTORS.get(str(get("model_type", str, "")), VAE_FACTOR)
+    model_type = str(get("model_type", str, ""))
+    factor = VAE_FACTORS.get(model_type, VAE_FACTOR)
+    sample_keys = loaded_keys(model_type, bool(get("masked_training", bool, False)))
+    validation = bool(get("validation", bool, False))
     indexes = str(get("device_indexes", str, ""))
     processes = (len([i for i in indexes.split(",") if i.strip()]) or 2) if multi_gpu else 1
     concepts, concepts_file = _concepts(config, root, ident, problems)
@@ -160,6 +174,8 @@ def load(config: ConfigFile) -> Layout:
             continue
         if not typed(where, problems, at, concept, "enabled", bool, True, ident):
             continue
+        if concept.get("type") == VALIDATION and not validation:
+            continue  # only the validation data loader reads it, and it runs with validation on
         path = typed(where, problems, at, concept, "path", str, "", ident)
         name = concept.get("name") or f"#{index + 1}"
         if not path:
@@ -181,6 +197,7 @@ def load(config: ConfigFile) -> Layout:
             shallow.append(directory)
     aggregates = read_aggregates(os.path.join(cache_dir, "image"), root)
     text_gone = _text_gone(aggregates, pairs)
+    uncached = _uncached(image_dirs, concept_caches, aggregates)
     shared = _sharing(config.path, root, cache_dir) if clear and latent_caching else ()
     origins = {
         "latent_cache_dir": config.origin("cache_dir"),
@@ -206,16 +223,32 @@ def load(config: ConfigFile) -> Layout:
         options=frozen({"cache_dir": cache_dir, "latent_caching": latent_caching,
                         "clear_cache_before_training": clear, "multi_gpu": multi_gpu,
                         "train_device": train_device, "temp_device": temp_device,
+                        "sample_keys": sample_keys,
                         "cache_shared_with": shared,
                         "suggest:latent_cache_dir": SUGGESTED, "suggest:text_cache_dir": SUGGESTED}),
         origins=frozen(origins),
         naming=OneTrainerNaming(aggregates=frozen(aggregates), expects_cache=latent_caching,
                                 vae_factor=factor,
                                 concept_caches=frozen({d: tuple(a) for d, a in concept_caches.items()}),
+                                uncached=uncached,
                                 text_gone=frozen(text_gone)),
     )
     return Layout(NAME, config.path, (dataset,), tuple(problems.items), tuple(files), root,
                   _reason(root))
+
+
+def loaded_keys(model_type: str, masked_training: bool) -> tuple[str, ...]:
+    """The tensors besides the latent that OneTrainer's data loader reads from every image
+    sample (its `image_split_names`, modules/dataLoader/*BaseDataLoader.py `_cache_modules`):
+    `latent_mask` with masked_training or an inpainting model type, and
+    `latent_conditioning_image` for those model types (ModelType.has_mask_input,
+    has_conditioning_image_input)."""
+    keys = []
+    if masked_training or model_type in INPAINTING:
+        keys.append("latent_mask")
+    if model_type in INPAINTING:
+        keys.append("latent_conditioning_image")
+    return tuple(keys)
 
 
 def _concepts(config: ConfigFile, root: str, ident: str,
@@ -280,6 +313,20 @@ def _text_gone(aggregates: Mapping[str, Samples], pairs: list[tuple[str, str]]) 
             if image is not None and not os.path.lexists(path):
                 out[image] = path
     return out
+
+
+def _uncached(image_dirs: list[str], concept_caches: Mapping[str, list[str]],
+              aggregates: Mapping[str, Samples]) -> tuple[str, ...]:
+    """The concept folders mgds has yet to cache: no aggregate.pt of their group folders exists
+    and none under image/ lists an image of theirs. mgds (DiskCache.__is_caching_done) caches
+    such a concept's group at the start of its data loader, as it does a whole new cache: its
+    images are no missing entries. A concept whose aggregate.pt lists some of its images is
+    cached, and an image it does not list is one mgds never caches."""
+    parents = {os.path.dirname(image) for samples in aggregates.values()
+               for image, _ in samples if image is not None}
+    return tuple(d for d in dict.fromkeys(image_dirs)
+                 if not concept_caches.get(d) and not any(
+                     p == d or p.startswith(d.rstrip(os.sep) + os.sep) for p in parents))
 
 
 def _group_aggregates(cache_dir: str, concept: dict) -> dict[str, list[str]]:
@@ -351,6 +398,43 @@ def aggregate_entries(path: str, root: str) -> Samples | None:
     return tuple(entries)
 
 
+# A cache scanned without its config has no model_type: its latent factor is the one most of
+# its samples show, crop_resolution over the latent's size (8, or Sana's 32: mgds writes what
+# the model's VAE made). Headers of at most FACTOR_SAMPLES samples, spread over the folders.
+SEEN_FACTORS = (8, 16, 32)
+FACTOR_SAMPLES = 32
+LATENT_PATHS = (("latent_image",), ("latent_image_distribution", "mean"))  # before 474dd2c6
+
+
+def seen_factor(aggregates: Mapping[str, Samples]) -> int:
+    """The VAE factor most samples' latents have against their aggregate.pt crop_resolution;
+    VAE_FACTOR where none tells (no readable sample, no whole factor, a tie)."""
+    from collections import Counter
+
+    from cachedoctor.formats import read_path
+
+    listed = [(folder, i, crop) for folder, samples in sorted(aggregates.items())
+              for i, (_, crop) in enumerate(samples) if crop is not None]
+    step = max(1, len(listed) // FACTOR_SAMPLES)
+    votes: Counter[int] = Counter()
+    for folder, index, (crop_h, crop_w) in listed[::step][:FACTOR_SAMPLES]:
+        try:
+            meta = read_path(os.path.join(folder, f"{index}.pt"))
+        except OSError:
+            continue
+        latent = next((t for t in meta.tensors if t.path in LATENT_PATHS), None)
+        if meta.errors or latent is None or len(latent.shape) < 2:
+            continue
+        h, w = latent.shape[-2:]
+        factor = crop_h // h if h and crop_h % h == 0 else None
+        if factor in SEEN_FACTORS and w * factor == crop_w:
+            votes[factor] += 1
+    ranked = votes.most_common(2)
+    if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
+        return VAE_FACTOR
+    return ranked[0][0]
+
+
 @dataclass(frozen=True)
 class OneTrainerNaming(Naming):
     """OneTrainer's naming: numbered samples per variation folder, mapped by aggregate.pt."""
@@ -360,6 +444,7 @@ class OneTrainerNaming(Naming):
     concept_caches: Mapping[str, tuple[str, ...]] = field(default_factory=frozen)
     text_gone: Mapping[str, str] = field(default_factory=frozen)  # image -> missing text sample
     vae_factor: int | None = VAE_FACTOR  # the model type's (VAE_FACTORS); None: not a whole one
+    uncached: tuple[str, ...] = ()  # concept folders mgds has yet to cache (_uncached)
 
     def entries(self, dataset: Dataset, changes: Changes) -> Entries:
         return _Entries(self, changes)
@@ -377,6 +462,12 @@ class OneTrainerNaming(Naming):
                     out.setdefault(image, os.path.join(folder, f"{index}.pt"))
         return out
 
+    def concept_aggregates(self, folder: str) -> tuple[str, ...]:
+        """The aggregate.pt files (image and text) of the concept whose image cache holds the
+        variation folder `folder`; () where the concept's group folders are not known."""
+        mine = os.path.join(folder, AGGREGATE)
+        return next((found for found in self.concept_caches.values() if mine in found), ())
+
     def expected_entry(self, image: str) -> str:
         listed = self.listings.get(image)
         return listed if listed is not None else "an entry in an aggregate.pt"
@@ -392,8 +483,11 @@ class OneTrainerNaming(Naming):
             folder, name = os.path.split(listed)
             return (f"{display_path(os.path.join(folder, AGGREGATE))} lists it as sample "
                     f"{name[:-3]}, but {name} is missing")
+        # mgds (DiskCache.get_item) takes group index i for the concept's i-th image as listed
+        # now: with more images than the aggregate lists, the last index runs past it
         return (f"no aggregate.pt under {cache_dir} lists it (added after its concept was cached:"
-                " mgds does not cache it again while the folder's aggregate.pt exists)")
+                " mgds does not cache it again while the folder's aggregate.pt exists, and stops "
+                "with IndexError at the concept's last image, past what aggregate.pt lists)")
 
 
 class _Directory(DirectoryNaming):
@@ -403,6 +497,8 @@ class _Directory(DirectoryNaming):
         self.naming = naming
         self.entries = naming.aggregates.get(path)
         self.in_variation = sample_folder(path)
+        self.pending = any(path == d or path.startswith(d.rstrip(os.sep) + os.sep)
+                           for d in naming.uncached)
 
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.area != "images":
@@ -413,7 +509,7 @@ class _Directory(DirectoryNaming):
         key = os.path.join(self.path, name)
         if key in self.naming.text_gone:  # its latent is there, its text sample is not: CD404
             return f"{key}@text", self.naming.expects_cache
-        return key, self.naming.expects_cache
+        return key, self.naming.expects_cache and not self.pending
 
     def cache(self, name: str, meta: FileMeta) -> CacheFacts:
         if not self.in_variation or not name.endswith(".pt"):
@@ -429,11 +525,12 @@ class _Directory(DirectoryNaming):
         image, crop = self.entries[index]
         if image in self.naming.text_gone:
             image = None  # its image is reported for its missing text sample, this is no orphan
+        # "listed": mgds loads it by number whatever became of its image (CD406 when it is gone)
         if crop is None:
-            return CacheFacts(key=image)
+            return CacheFacts(key=image, naming=LISTED)
         h, w = crop
         factor = self.naming.vae_factor
-        return CacheFacts(key=image, bucket=f"{w}x{h}",
+        return CacheFacts(key=image, bucket=f"{w}x{h}", naming=LISTED,
                           expected=(h // factor, w // factor) if factor else None)
 
 

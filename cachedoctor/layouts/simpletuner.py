@@ -349,6 +349,7 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
                          f"{type(backend.data).__name__}: expected a JSON list of datasets")
         return Layout(NAME, source, (), tuple(problems.items), files, g.root, _reason(g.root))
     entries = _entries(backend, g, problems)
+    compression = {e.id: _compress(backend, problems, e, g) for e in entries}
     text = [e for e in entries if e.dataset_type == "text_embeds"]
     if not text:
         directory = os.path.join(g.output_dir, "cache", "text", g.model_family)
@@ -358,19 +359,25 @@ def _layout(main: ConfigFile | None, backend: ConfigFile, args: dict[str, Any],
     datasets: list[Dataset] = []
     for entry in entries:
         if entry.dataset_type in IMAGE_TYPES:
-            made = _image_dataset(backend, entry, g, text_dirs, problems)
+            made = _image_dataset(backend, entry, g, text_dirs, problems, compression)
             if made is not None:
                 datasets.append(made)
     for entry in text:
         directory = text_dirs[entry.id]
         origin = (backend.origin(entry.index, "cache_dir") if entry.index >= 0
                   else Origin(backend.path, "cache_dir_text", None))
+        compress, compress_origin = compression.get(entry.id) or _compress(
+            backend, problems, entry, g)  # (the text dataset SimpleTuner adds: the global flag)
+        origins = {"text_cache_dir": origin}
+        if compress_origin is not None:
+            origins["reads_gzip"] = compress_origin
         datasets.append(Dataset(
             entry.id, cache_dirs=(directory,), text_cache_dir=directory,
             model_family=g.model_family, processes=g.processes, expected_device=ANY_DEVICE,
             options=frozen({"suggest:text_cache_dir":
-                            '"cache_dir": "{output_dir}/cache/text/{model_family}"'}),
-            origins=frozen({"text_cache_dir": origin}),
+                            '"cache_dir": "{output_dir}/cache/text/{model_family}"',
+                            "compress_cache": compress, "reads_gzip": compress}),
+            origins=frozen(origins),
         ))
     return Layout(NAME, source, tuple(datasets), tuple(problems.items), files, g.root,
                   _reason(g.root))
@@ -486,6 +493,18 @@ def _flag(backend: ConfigFile, problems: Problems, entry: _Entry, key: str, defa
     return typed(backend, problems, (entry.index,), entry.values, key, bool, default, entry.id)
 
 
+def _compress(backend: ConfigFile, problems: Problems, entry: _Entry,
+              g: _Globals) -> tuple[bool, Origin | None]:
+    """A backend's compress_cache (its own, else --compress_disk_cache, default on: the field
+    registry's default_value) and where it was set. Its LocalDataBackend.torch_load gunzips
+    only with it on (and then reads plain files too, _decompress_torch falling back to the
+    bytes as they are); with it off, torch.load gets the gzip bytes and raises."""
+    if entry.index >= 0 and entry.values.get("compress_cache") is not None:
+        return (bool(_flag(backend, problems, entry, "compress_cache", True)),
+                backend.origin(entry.index, "compress_cache"))
+    return _global_flag(g, "compress_disk_cache", True), g.origins.get("compress_disk_cache")
+
+
 def _global_flag(g: _Globals, key: str, default: bool) -> bool:
     value = g.args.get(key, default)
     if isinstance(value, str):
@@ -494,7 +513,8 @@ def _global_flag(g: _Globals, key: str, default: bool) -> bool:
 
 
 def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: dict[str, str],
-                   problems: Problems) -> Dataset | None:
+                   problems: Problems,
+                   compression: Mapping[str, tuple[bool, Origin | None]]) -> Dataset | None:
     i, values, ident = entry.index, entry.values, entry.id
     key = "instance_data_dir" if "instance_data_dir" in values else "instance_data_root"
     if entry.bucket is not None:  # SimpleTuner's instance_data_dir is the aws_data_prefix
@@ -529,6 +549,13 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
     cache_dir = join(entry.bucket, _key(os.path.relpath(vae, g.root) if os.path.isabs(vae) and
                                         _under(vae, g.root) else vae)) \
         if entry.bucket else resolve(g.root, vae)
+    compress, _ = compression[entry.id]
+    # its VAE cache is read by its own backend, or by the `image_embeds` dataset it names
+    # (factory.py _get_image_embed_backend: VAECache(cache_data_backend=...)); one not in this
+    # config (remote, or a typo SimpleTuner stops on) reads it as it may: no CD109
+    embeds = values.get("image_embeds")
+    reads_gzip, compress_origin = compression.get(embeds, (True, None)) if isinstance(
+        embeds, str) else compression[entry.id]
     ondemand = _flag(backend, problems, entry, "vae_cache_ondemand",
                      _global_flag(g, "vae_cache_ondemand", False))
     disabled = _flag(backend, problems, entry, "vae_cache_disable",
@@ -538,8 +565,8 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
                                             "vae_cache_clear_each_epoch", False),
         "vae_cache_ondemand": ondemand,
         "vae_cache_disable": disabled,
-        "compress_cache": _flag(backend, problems, entry, "compress_cache",
-                                _global_flag(g, "compress_disk_cache", True)),
+        "compress_cache": compress,
+        "reads_gzip": reads_gzip,  # whether the backend reading its VAE cache gunzips (CD109)
         "crop_aspect": values.get("crop_aspect"),
         "suggest:latent_cache_dir": f'"cache_dir_vae": "{{output_dir}}/cache/vae/{{model_family}}/{ident}"',
     }
@@ -548,6 +575,8 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
         "latent_cache_dir": vae_origin,
         "dataset": backend.origin(i),
     }
+    if compress_origin is not None:
+        origins["reads_gzip"] = compress_origin
     for option in ("vae_cache_clear_each_epoch", "crop_aspect"):
         if option in values:
             origins[option] = backend.origin(i, option)

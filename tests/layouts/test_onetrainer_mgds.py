@@ -9,9 +9,11 @@ one mgds caches again from the images.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from cachedoctor.fixtures.projects import onetrainer
@@ -185,3 +187,146 @@ def test_a_missing_text_sample_is_cd404_on_its_image(tmp_path: Path) -> None:
     assert "aggregate.pt out of the cache" in " ".join(result.output.split())
     (text / "aggregate.pt").rename(tmp_path / "aggregate.pt")
     assert mgds_start(cache) == [text]
+
+
+def _add_concept(project, name: str, **values: object) -> Path:
+    """A concept whose images exist but which mgds has not cached yet (no group folder)."""
+    from cachedoctor.fixtures.projects import images
+
+    concepts_file = project.root / "training_concepts/concepts.json"
+    concepts = json.loads(concepts_file.read_text())
+    added = {**onetrainer.concept(f"datasets/{name}", name=name, seed=77), **values}
+    concepts_file.write_text(json.dumps([*concepts, added], indent=4))
+    images(project.root / "datasets" / name, n_per_bucket=1, seed=9, prefix=name)
+    return project.root / "datasets" / name
+
+
+def _set_config(project, **changes: object) -> None:
+    config = json.loads(project.config.read_text())
+    project.config.write_text(json.dumps({**config, **changes}, indent=4))
+
+
+def test_a_concept_mgds_has_yet_to_cache_is_no_missing_entry(tmp_path: Path) -> None:
+    """A concept added after the others were cached has no group folder: mgds
+    (DiskCache.__is_caching_done) caches its group when its data loader starts, as it does a
+    new cache. Before, each of its images was CD404 ('added after its concept was cached')."""
+    project = onetrainer.build(tmp_path / "ot")
+    _add_concept(project, "style")
+    assert mgds_start(project.root / "workspace-cache/run") == []  # nothing half-cached
+    assert not codes(scan_paths(project.config))
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_a_validation_concept_is_cached_only_with_validation_on(tmp_path: Path,
+                                                               validation: bool) -> None:
+    """OneTrainer 23df3832 DataLoaderMgdsMixin._create_mgds gives the training loader the
+    concepts of every type but VALIDATION and the validation loader those; GenericTrainer
+    makes that loader only with `validation` on. Off, its images are never cached nor read;
+    on, mgds caches them in the same cache_dir, and an image added to its cached group is
+    CD404 as in any concept."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    concepts_file = project.root / "training_concepts/concepts.json"
+    concepts = json.loads(concepts_file.read_text())
+    concepts[0]["type"] = "VALIDATION"
+    concepts_file.write_text(json.dumps(concepts, indent=4))
+    _set_config(project, validation=validation)
+    found = by_code(scan_paths(project.config), "CD404")
+    assert [f.path for f in found] == ([project.expected["CD404"][0][0]] if validation else [])
+
+
+def mgds_epoch(folder: Path, images: list[str]) -> list[str]:
+    """The image_path of the sample mgds loads for each of the concept's images as it lists
+    them now: DiskCache.__get_input_index gives group index i, get_item opens sample i of the
+    cached folder's aggregate.pt, whatever image it was cached from."""
+    listed = torch.load(folder / "aggregate.pt", weights_only=True, map_location="cpu")
+    return [listed[i]["image_path"] for i in range(len(images))]
+
+
+def test_an_image_deleted_from_a_cached_concept_is_cd406_on_its_folder(tmp_path: Path) -> None:
+    """mgds 3a6994ad DiskCache: a variation folder with an aggregate.pt is cached; with an image
+    gone, sample i is still loaded for the concept's i-th image, so the deleted picture keeps
+    training and the folder's last sample is never loaded. Before, its sample was CD405 info
+    ("never trained on"). The fix moves the concept's image and text aggregate.pt away (both:
+    text sample i is paired with latent sample i), and mgds caches both folders again."""
+    project = onetrainer.build(tmp_path / "ot")
+    cache = project.root / "workspace-cache" / "run"
+    [image] = (cache / "image").glob("*/variation-0")
+    [text] = (cache / "text").glob("*/variation-0")
+    person = project.root / "datasets" / "person"
+    pictures = sorted(p for p in person.iterdir() if p.suffix == ".png")
+    pictures[1].unlink()
+    loaded = mgds_epoch(image, pictures[:1] + pictures[2:])
+    assert loaded[1].endswith(pictures[1].name)  # the deleted picture still trains
+    assert not any(p.endswith(pictures[-1].name) for p in loaded)  # the last never does
+
+    report = scan_paths(project.config)
+    (found,) = by_code(report, "CD406")
+    assert found.path == str(image) and pictures[1].name in found.message
+    assert not by_code(report, "CD405")
+
+    result = invoke("fix", str(project.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert mgds_start(cache) == [image, text]
+    assert not {f.code for f in scan_paths(project.config).findings if f.severity >= 2}
+
+
+def test_an_image_added_to_a_cached_concept_says_mgds_stops_with_index_error(
+        tmp_path: Path) -> None:
+    """With one image more than aggregate.pt lists, mgds' group index for the concept's last
+    image runs past the aggregate (DiskCache.get_item: IndexError, run from mgds 3a6994ad)."""
+    project = onetrainer.build(tmp_path / "ot", defects=["CD404"])
+    [image] = (project.root / "workspace-cache/run/image").glob("*/variation-0")
+    person = project.root / "datasets" / "person"
+    pictures = sorted(p for p in person.iterdir() if p.suffix == ".png")
+    with pytest.raises(IndexError):
+        mgds_epoch(image, pictures)
+    (missing,) = by_code(scan_paths(project.config), "CD404")
+    assert "IndexError" in missing.message
+
+
+def _without_masks(project) -> list[Path]:
+    """The project's samples as cached before masked_training was on: no latent_mask."""
+    samples = sorted((project.root / "workspace-cache/run/image").glob("*/variation-0/[0-9]*.pt"))
+    for path in samples:
+        sample = torch.load(path, map_location="cpu", weights_only=True)
+        sample.pop("latent_mask", None)
+        torch.save(sample, path)
+    return samples
+
+
+def _with_masks(project) -> None:
+    """As mgds caches them with masked_training: `latent_mask` [1, h, w] beside the latent
+    (OneTrainer 23df3832 *BaseDataLoader.py: ScaleImage(in_name='mask', factor=0.125))."""
+    for path in (project.root / "workspace-cache/run/image").glob("*/variation-0/[0-9]*.pt"):
+        sample = torch.load(path, map_location="cpu", weights_only=True)
+        sample["latent_mask"] = torch.ones(1, *sample["latent_image"].shape[-2:])
+        torch.save(sample, path)
+
+
+def test_a_sample_without_the_latent_mask_masked_training_reads_is_cd110(tmp_path: Path) -> None:
+    """masked_training turned on over a cache made without it: mgds DiskCache.get_item copies
+    `split_item['latent_mask']` and raises KeyError (run from mgds 3a6994ad). The fix moves the
+    samples and their aggregate.pt away, and mgds caches the folder again."""
+    project = onetrainer.build(tmp_path / "ot")
+    samples = _without_masks(project)
+    _set_config(project, masked_training=True)
+    found = by_code(scan_paths(project.config), "CD110")
+    assert sorted(f.path for f in found) == [str(p) for p in samples]
+    assert "latent_mask" in found[0].message
+
+    result = invoke("fix", str(project.config), "--yes")
+    assert result.exit_code == 0, result.output
+    assert mgds_start(project.root / "workspace-cache/run") == [samples[0].parent]
+    assert not by_code(scan_paths(project.config), "CD110")
+
+
+def test_samples_with_their_masks_or_a_cache_rebuilt_at_start_are_no_cd110(tmp_path: Path) -> None:
+    project = onetrainer.build(tmp_path / "ot")
+    _set_config(project, masked_training=True)
+    _with_masks(project)
+    assert not by_code(scan_paths(project.config), "CD110")
+    _without_masks(project)
+    _set_config(project, clear_cache_before_training=True)  # OneTrainer caches it all again
+    assert not by_code(scan_paths(project.config), "CD110")
+    _set_config(project, clear_cache_before_training=False, masked_training=False)
+    assert not by_code(scan_paths(project.config), "CD110")
