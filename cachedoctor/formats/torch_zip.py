@@ -303,6 +303,10 @@ class _Reader:
             elif (first_reading := records.setdefault(name[cut:], e)) is not e:
                 twins.append((first_reading, e))
                 self.others.append(e)
+        # records torch.load never reads (any but the ones it reads and the storages): another
+        # tool may still unpickle them, np.load read one as an object array
+        self.others += [e for name, e in records.items()
+                        if name not in READ_RECORDS and not name.startswith("data/")]
         if twins:
             errors.append(self._twins_message(*twins[0]))
         # from here on, only for messages
