@@ -84,30 +84,38 @@ def read(src: Source, path: str) -> FileMeta | None:
     except (tarfile.TarError, EOFError, ValueError, OverflowError):
         return None
     reader = _Reader(src, path)
-    found: dict[str, tarfile.TarInfo] = {}
+    # tarfile's getmember (torch's extract and extractfile) takes a name's last occurrence:
+    # every occurrence is judged, so the whole archive is walked
+    found: dict[str, list[tarfile.TarInfo]] = {}
     try:
         for count, member in enumerate(iter(tar.next, None)):
             if count >= MAX_MEMBERS:
                 reader.errors.append(f"the tar archive holds more than {MAX_MEMBERS:,} members: "
                                      "the rest were not checked")
                 break
-            if member.name in MEMBERS and member.name not in found:
-                found[member.name] = member
-                if len(found) == len(MEMBERS):
-                    break
+            if member.name in MEMBERS:
+                found.setdefault(member.name, []).append(member)
     except (tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
         reader.errors.append(f"the tar archive is damaged after {len(found)} members: "
                              f"{str(exc)[:80]}")
     for name in MEMBERS:
-        member = found.get(name)
-        if member is None:
-            if not reader.errors:
-                reader.errors.append(
-                    f"opens as a tar archive (torch.load tries that before reading a pickle "
-                    f"stream) but holds no '{name}' member: torch.load fails (KeyError)")
-            continue
-        data = src.pread(member.offset_data, min(member.size, MAX_MEMBER_BYTES))
-        getattr(reader, name)(data, member.size)
+        members = found.get(name, [])
+        if not members and not reader.errors:
+            reader.errors.append(
+                f"opens as a tar archive (torch.load tries that before reading a pickle "
+                f"stream) but holds no '{name}' member: torch.load fails (KeyError)")
+        if len(members) > 1:
+            reader.errors.append(f"the tar archive holds '{name}' {len(members)} times: torch.load "
+                                 "reads the last one (tarfile.getmember)")
+        for member in members:
+            if not member.isreg() or member.issparse():
+                # (tarfile follows a link to another member, torch's extract a symlink out of
+                # the archive; no torch.save wrote one)
+                reader.errors.append(f"tar member '{name}' is no plain file (tar type "
+                                     f"{member.type!r}): its bytes lie elsewhere, not checked")
+                continue
+            data = src.pread(member.offset_data, min(member.size, MAX_MEMBER_BYTES))
+            getattr(reader, name)(data, member.size)
     return FileMeta(path, src.size, TORCH_LEGACY, globals=tuple(reader.globals),
                     unsafe_globals=tuple(reader.unsafe), errors=tuple(reader.errors),
                     notes=("a tar archive: torch.load reads it with its pre-1.0 tar loader",))
