@@ -40,10 +40,12 @@ def looks_like_tar(head: bytes) -> bool:
     field = block[148:156]
     if field[:1] in (b"\x80", b"\xff"):
         return True  # base-256: rare, let tarfile decide
-    text = field.split(b"\0", 1)[0].strip()
-    if not text or any(c not in b"01234567" for c in text):
+    # read as tarfile's nti reads it: up to a NUL, ASCII, Python's int in base 8, which takes
+    # what no tar writes but tarfile accepts (a "0o" prefix, a sign, "_" between digits)
+    try:
+        stored = int(field.split(b"\0", 1)[0].decode("ascii").strip() or "0", 8)
+    except (UnicodeDecodeError, ValueError):
         return False
-    stored = int(text, 8)
     unsigned = sum(block[:148]) + 256 + sum(block[156:])  # the field counts as 8 spaces
     signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 256
     return stored in (unsigned, signed)

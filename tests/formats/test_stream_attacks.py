@@ -356,3 +356,25 @@ def test_a_tar_pickle_torch_reads_but_the_scan_did_not(tmp_path, attack):
     clean = tmp_path / "clean.pt"
     clean.write_bytes(_legacy_tar([("pickle", benign, {})]))
     assert read_path(str(clean)).errors == ()
+
+
+@pytest.mark.parametrize("spelt", [b"0o%05o\0", b"+%06o\0", b"%03o_%03o\0"])
+def test_a_tar_checksum_spelt_as_tarfile_still_reads_it(tmp_path, spelt):
+    """tarfile parses a header's checksum with Python's int(text, 8), which takes a "0o"
+    prefix, a sign or an underscore; the sniff took only octal digits, so the tar polyglot
+    with such a checksum was judged as a pickle stream alone: clean, while torch.load ran the
+    tar's pickles."""
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    cache.mkdir()
+    data = bytearray(tar_polyglot(marker))
+    block = data[:512]
+    block[148:156] = b" " * 8
+    total = sum(block)
+    data[148:156] = (spelt % (total // 512, total % 512) if b"_" in spelt else spelt % total)
+    bad = cache / "embed.pt"
+    bad.write_bytes(bytes(data))
+    with tarfile.open(bad) as tar:
+        assert "storages" in tar.getnames()
+    proves_torch_load(bad, marker)
+    assert "builtins.open" in read_path(str(bad)).unsafe_globals
+    assert_hostile_and_never_run(cache, bad, marker)
