@@ -160,13 +160,23 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
         raise _Interrupted(f"more than {MAX_ROWS:,} rows: not read")
     budget -= len(rows)
     shards: dict[int, tuple[tuple[int, int], ...]] = {}
-    for name in sorted(names):
+    # as diffusion-pipe reads them: in sqlite_master's order, each table's shard number
+    # int(name.split('_')[-1]), the rows of every table of one number in one list
+    for name in dict.fromkeys(n for t, n in objects if t == "table" and isinstance(n, str)):
         if not name.startswith("shard_"):
             continue
-        number = name[len("shard_"):]
-        if not number.isdigit() or len(number) > 9:
+        number = name.split("_")[-1]
+        try:
+            shard = int(number)
+        except ValueError:
             bad.append(f"table {name!r} names no shard number (diffusion-pipe fails on it)")
             continue
+        if not 0 <= shard < 10**9:
+            bad.append(f"table {name!r} names shard {number!r:.20}, no shard file's number")
+            continue
+        if name != f"shard_{shard}":
+            bad.append(f"table {name!r} is no name diffusion-pipe writes: it reads its rows as "
+                       f"more rows of shard {shard}")
         quoted = '"' + name.replace('"', '""') + '"'
         table = con.execute(f"SELECT offset, size FROM {quoted} LIMIT ?", (budget + 1,)).fetchall()
         if len(table) > budget:
@@ -179,7 +189,7 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
                 bad.append(f"row {i} of table {name} is no (offset, size) of a blob: {row!r:.80}")
                 continue
             entries.append(pair)
-        shards[int(number)] = tuple(entries)
+        shards[shard] = shards.get(shard, ()) + tuple(entries)
     item_shards: dict[int, int] = {}
     dangling = 0
     for i, row in enumerate(rows):

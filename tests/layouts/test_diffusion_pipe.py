@@ -456,3 +456,78 @@ def test_a_metadata_db_replaced_at_its_size_and_mtime_is_read_again(tmp_path):
     os.replace(new, db)
     assert (db.stat().st_size, db.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     assert shard_blobs.index_of(str(tmp_path)).items == 5
+
+
+# diffusion-pipe's Cache (utils/cache.py) as it picks a blob's bytes, then torch.load
+DP_LOAD = """
+import io, sqlite3, sys, torch
+from collections import defaultdict
+path = sys.argv[1]
+con = sqlite3.connect(path + "/metadata.db")
+items = con.execute("SELECT shard, shard_index FROM items").fetchall()
+shard_metadata = defaultdict(list)
+for table_name, in con.execute("SELECT name FROM sqlite_master").fetchall():
+    if table_name.startswith("shard_"):
+        shard_id = int(table_name.split("_")[-1])
+        shard_metadata[shard_id].extend(con.execute(f"SELECT offset, size FROM {table_name}"))
+for shard, index in items:
+    offset, size = shard_metadata[shard][index]
+    with open(f"{path}/shard_{shard}.bin", "rb") as f:
+        f.seek(offset)
+        torch.load(io.BytesIO(f.read(size)), map_location="cpu", weights_only=False)
+"""
+
+
+class Opens:
+    """Creates `marker` when unpickled for real."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("hostile_table", ["shard_01", "shard_x_1"])
+def test_a_second_table_of_one_shard_number(tmp_path: Path, hostile_table: str) -> None:
+    """diffusion-pipe reads a table's shard number as int(name.split('_')[-1]) and appends the
+    rows of every table of one number in sqlite_master's order. The scan kept one table per
+    number (shard_1 sorted after shard_01 and replaced its rows): a hostile blob that only
+    shard_01 lists, loaded for item 0, was never read."""
+    import subprocess
+    import sys
+
+    import torch
+
+    folder, marker = tmp_path / "cache_1.000000x64x64x1" / "latents", tmp_path / "marker"
+    folder.mkdir(parents=True)
+
+    def blob(obj: object) -> bytes:
+        out = io.BytesIO()
+        torch.save(obj, out)
+        return out.getvalue()
+
+    clean = [blob({"latents": torch.full((16, 1, 8, 8), float(i))}) for i in range(3)]
+    hostile = blob({"latents": torch.zeros(16, 1, 8, 8), "x": Opens(marker)})
+    rows, at = [], 0
+    for b in clean:
+        rows.append((at, len(b)))
+        at += len(b)
+    (folder / "shard_1.bin").write_bytes(b"".join(clean) + hostile)
+    con = sqlite3.connect(folder / "metadata.db")
+    con.execute("CREATE TABLE fingerprint(value)")
+    con.execute("INSERT INTO fingerprint VALUES ('f')")
+    con.execute("CREATE TABLE items(shard, shard_index)")
+    con.executemany("INSERT INTO items VALUES (1, ?)", [(i,) for i in range(3)])
+    con.execute(f"CREATE TABLE {hostile_table}(offset, size)")  # first in sqlite_master
+    con.execute(f"INSERT INTO {hostile_table} VALUES (?, ?)", (at, len(hostile)))
+    con.execute("CREATE TABLE shard_1(offset, size)")
+    con.executemany("INSERT INTO shard_1 VALUES (?, ?)", rows)
+    con.commit()
+    con.close()
+    subprocess.run([sys.executable, "-c", DP_LOAD, str(folder)], capture_output=True, timeout=120)
+    assert marker.exists()
+    marker.unlink()
+    report = scan_paths(tmp_path)
+    assert [f.path for f in by_code(report, "CD105")] == [f"{folder / 'shard_1.bin'}@{at}"]
+    assert [f.path for f in by_code(report, "CD101")] == [str(folder / "metadata.db")]
