@@ -531,3 +531,77 @@ def test_a_second_table_of_one_shard_number(tmp_path: Path, hostile_table: str) 
     report = scan_paths(tmp_path)
     assert [f.path for f in by_code(report, "CD105")] == [f"{folder / 'shard_1.bin'}@{at}"]
     assert [f.path for f in by_code(report, "CD101")] == [str(folder / "metadata.db")]
+
+
+# Leaves metadata.db (argv[1]) with a hot journal: a transaction pointing the one row of
+# shard_0 at (0, argv[2]) spilled to the file, then the process dies before COMMIT.
+KILLED_MID_COMMIT = """
+import os, sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA cache_size=1")
+con.execute("BEGIN EXCLUSIVE")
+con.execute("UPDATE shard_0 SET offset = 0, size = ?", (int(sys.argv[2]),))
+con.execute("UPDATE pad SET x = zeroblob(1000)")
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("log", ["wal", "hot journal"])
+def test_a_log_beside_metadata_db_is_read_as_sqlite_reads_it(tmp_path: Path, log: str) -> None:
+    """The scan opened metadata.db immutable, which ignores a -wal file and a hot -journal;
+    diffusion-pipe's SQLite reads the WAL's commits and rolls a hot journal back. Shipped with
+    one, a clean-looking database pointed diffusion-pipe at a hostile blob the scan never read."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    folder, marker = tmp_path / "cache" / "latents", tmp_path / "marker"
+    folder.mkdir(parents=True)
+    out = io.BytesIO()
+    torch.save({"latents": torch.zeros(16, 1, 8, 8)}, out)
+    clean = out.getvalue()
+    out = io.BytesIO()
+    torch.save({"latents": torch.zeros(16, 1, 8, 8), "x": Opens(marker)}, out)
+    hostile = out.getvalue()
+    (folder / "shard_0.bin").write_bytes(clean + hostile)
+    work = tmp_path / "work"
+    work.mkdir()
+    con = sqlite3.connect(work / "metadata.db", isolation_level=None)
+    if log == "wal":
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA wal_autocheckpoint=0")
+    for statement in ("CREATE TABLE fingerprint(value)", "INSERT INTO fingerprint VALUES ('f')",
+                      "CREATE TABLE items(shard, shard_index)", "INSERT INTO items VALUES (0, 0)",
+                      "CREATE TABLE shard_0(offset, size)", "CREATE TABLE pad(x)"):
+        con.execute(statement)
+    first, then = ((0, len(clean)), (len(clean), len(hostile))) if log == "wal" else (
+        (len(clean), len(hostile)), None)
+    con.execute("INSERT INTO shard_0 VALUES (?, ?)", first)
+    con.executemany("INSERT INTO pad VALUES (?)", [(b"x" * 1000,)] * 200)
+    if log == "wal":
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the clean row in the file
+        con.execute("UPDATE shard_0 SET offset = ?, size = ?", then)  # the hostile one in the WAL
+        for name in ("metadata.db", "metadata.db-wal"):
+            shutil.copy(work / name, folder / name)
+        con.close()
+    else:
+        con.close()
+        shutil.copy(work / "metadata.db", folder / "metadata.db")
+        subprocess.run([sys.executable, "-c", KILLED_MID_COMMIT, str(folder / "metadata.db"),
+                        str(len(clean))], check=True, timeout=60)
+        assert (folder / "metadata.db-journal").exists()
+    listed = sorted(os.listdir(folder))
+    immutable = sqlite3.connect(f"file:{folder / 'metadata.db'}?mode=ro&immutable=1", uri=True)
+    assert immutable.execute("SELECT offset FROM shard_0").fetchall() == [(0,)]
+    immutable.close()
+
+    report = scan_paths(tmp_path)
+
+    assert sorted(os.listdir(folder)) == listed  # the scan changed nothing there
+    assert [f.path for f in by_code(report, "CD105")] == [f"{folder / 'shard_0.bin'}@{len(clean)}"]
+    shutil.copytree(folder, tmp_path / "copy")  # (SQLite may roll the journal back in place)
+    subprocess.run([sys.executable, "-c", DP_LOAD, str(tmp_path / "copy")], capture_output=True,
+                   timeout=120)
+    assert marker.exists()
