@@ -75,7 +75,8 @@ def is_shard_cache(directory: str) -> bool:
 
 def unit_files(path: str) -> list[str] | None:
     """The files diffusion-pipe rebuilds together with `path` (a blob `shard_<n>.bin@<offset>`,
-    a shard, or metadata.db of a sharded cache): metadata.db and every shard of its folder.
+    a shard, or metadata.db of a sharded cache): metadata.db (and its -journal or -wal) and
+    every shard of its folder.
     Items are positional, so a shard cannot go alone: the folder is one unit. None when `path`
     is no part of such a cache."""
     blob = BLOB_PATTERN.match(path)
@@ -90,8 +91,10 @@ def unit_files(path: str) -> list[str] | None:
         names = sorted(os.listdir(directory))
     except OSError:
         return None
+    # (metadata.db's logs go with it: left beside a rebuilt database, SQLite would apply them)
+    logs = {INDEX_NAME + suffix for suffix in LOG_SUFFIXES}
     return [os.path.join(directory, n) for n in names
-            if n == INDEX_NAME or SHARD_PATTERN.match(n)]
+            if n == INDEX_NAME or n in logs or SHARD_PATTERN.match(n)]
 
 
 class _Interrupted(Exception):

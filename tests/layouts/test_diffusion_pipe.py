@@ -605,3 +605,8 @@ def test_a_log_beside_metadata_db_is_read_as_sqlite_reads_it(tmp_path: Path, log
     subprocess.run([sys.executable, "-c", DP_LOAD, str(tmp_path / "copy")], capture_output=True,
                    timeout=120)
     assert marker.exists()
+    marker.unlink()
+    # fix quarantines the folder, the log with it (beside a rebuilt database SQLite applies it)
+    result = invoke("fix", str(folder.parent), "-y")
+    assert result.exit_code == 0, result.output
+    assert list(folder.iterdir()) == [] and not marker.exists()
