@@ -6,7 +6,9 @@ stem), the CRC32 fields and the stored bytes. After a file's central directory h
 and found sound, its layout becomes a template. That is a regular expression per window of the
 file in memory. It spells out every structural byte literally (local headers, data
 descriptors, central directory, zip64 and end records). Only the prefix (one and the same
-everywhere), the CRC fields and the payloads are wildcards. A later file of the same size that
+everywhere), the CRC fields and the payloads of the records and storages are wildcards; any
+other entry's payload (which the reader scans for pickles) is spelt out too, but for a stored
+run of digits (torch's serialization_id), matched as digits. A later file of the same size that
 matches it has exactly that directory, so parsing it again is skipped: the match runs in C.
 
 A small file is one window. A file too big to read whole is matched on the head and tail
