@@ -38,7 +38,7 @@ import struct
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.source import Window
-from cachedoctor.formats.torch_zip import READ_RECORDS
+from cachedoctor.formats.torch_zip import READ_RECORDS, scanned
 from cachedoctor.formats.zip_members import ascii_fold
 from cachedoctor.formats.zipdir import LOCAL, STORED, ZipDirectory, ZipEntry
 
@@ -230,7 +230,7 @@ def _payload_kind(entry: ZipEntry, rest: str, windows: tuple[Window, ...]) -> st
     pickle or an npy array (zip_members), so they are spelt out (None), but for a stored
     run of digits such as torch's serialization_id, unique per save: "digits" then, as no
     run of digits is either."""
-    if rest in READ_RECORDS or rest.startswith("data/"):
+    if not scanned(rest):
         return "any"
     if entry.method == STORED and _bytes_at(
             windows, entry.data_offset, entry.compressed_size).isdigit():

@@ -496,15 +496,17 @@ def _npy_floats() -> bytes:
     return out.getvalue()
 
 
-def test_a_pickle_torch_never_reads_inside_the_prefix(paths, tmp_path):
+@pytest.mark.parametrize("member", ["archive/extra.pkl", "archive/data/extra.pkl"])
+def test_a_pickle_torch_never_reads_inside_the_prefix(paths, tmp_path, member):
     """archive/extra.pkl sits among torch's records, which the reader alone read: it was never
-    scanned, though any other member of any zip is."""
+    scanned, though any other member of any zip is (nor is one in data/ named as no storage
+    torch.save writes)."""
     cache, marker = paths
     path = cache / "a.pt"
     path.write_bytes(rezip(saved(torch.ones(3)),
-                           extra=[("archive/extra.pkl", pickle.dumps(Payload(marker), 2))]))
+                           extra=[(member, pickle.dumps(Payload(marker), 2))]))
     code = ("import sys, zipfile, pickle; "
-            "pickle.loads(zipfile.ZipFile(sys.argv[1]).read('archive/extra.pkl'))")
+            f"pickle.loads(zipfile.ZipFile(sys.argv[1]).read({member!r}))")
     assert unsafe_load(path, marker, code)
     assert OPEN in read_path(str(path)).unsafe_globals
     judged_hostile(path, marker, tmp_path)
@@ -545,6 +547,8 @@ def test_a_twin_template_spells_out_the_members_the_reader_scans(tmp_path, deep)
     pairs = [
         (_restamped(base, extra=[("archive/extra.pkl", _same_length(evil))]),
          _restamped(base, extra=[("archive/extra.pkl", evil)]), OPEN),
+        (_restamped(base, extra=[("archive/data/x.pkl", _same_length(evil))]),
+         _restamped(base, extra=[("archive/data/x.pkl", evil)]), OPEN),
         (_restamped(base), _restamped(base, lambda n, b: system.ljust(len(b), b".") if n.endswith(
             "serialization_id") else b), "os.system"),
     ]
