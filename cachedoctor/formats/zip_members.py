@@ -78,7 +78,8 @@ def scan_members(src: Source, entries: Iterable[ZipEntry], found: PickleScan) ->
         except ZipError:
             continue  # no readable bytes: no pickle a loader could run
         if head == npy.MAGIC:
-            _scan_array(src, entry, found)
+            if not _scan_array(src, entry, found):
+                return  # (over budget: said once)
             continue
         marked = looks_like_pickle(head, "")
         if not marked and not looks_like_pickle(head, entry.name):
@@ -112,29 +113,34 @@ def scan_members(src: Source, entries: Iterable[ZipEntry], found: PickleScan) ->
         found.add(unpickled.globals, unpickled.unsafe_globals)
 
 
-def _scan_array(src: Source, entry: ZipEntry, found: PickleScan) -> None:
-    """The globals of the pickle an npy member holds, when it is an object array."""
+def _scan_array(src: Source, entry: ZipEntry, found: PickleScan) -> bool:
+    """The globals of the pickle an npy member holds, when it is an object array; False when
+    the budget of pickles is spent (the rest of the archive is not checked)."""
     name = clip(entry.name)
     try:
         data = read_entry(src, entry, npy.HEAD_READ)
         end = npy.header_size(data)
         header = npy.parse_header(data if end <= len(data) else read_entry(src, entry, end))
         if not header.dtype.has_object:
-            return
-        if found.members >= MAX_PICKLE_MEMBERS:
-            found.errors.append(f"more than {MAX_PICKLE_MEMBERS:,} pickle members: '{name}' "
-                                "and the rest not checked")
-            return
+            return True
+        want = min(entry.size, header.data_offset + npy.PICKLE_READ)
+        if found.members >= MAX_PICKLE_MEMBERS or found.read + want > MAX_PICKLE_TOTAL:
+            found.errors.append(
+                f"more than {MAX_PICKLE_MEMBERS:,} pickle members or "
+                f"{MAX_PICKLE_TOTAL // 2**20} MiB of them: '{name}' and the rest not checked")
+            return False
         found.members += 1
-        data = read_entry(src, entry, header.data_offset + npy.PICKLE_READ)
+        found.read += want
+        data = read_entry(src, entry, want)
     except (npy.NpyError, ZipError) as exc:  # np.load may still read what this cannot
         found.errors.append(f"member '{name}' starts like an npy array but cannot be checked: "
                             f"{exc}")
-        return
+        return True
     names, unsafe, error = npy.pickle_globals(data, header.data_offset)
     found.add(names, unsafe)
     if error:
         found.errors.append(f"member '{name}': {error}")
+    return True
 
 
 def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta:

@@ -594,3 +594,26 @@ def test_a_gzip_member_after_zero_padding(paths, tmp_path):
         with pytest.raises(gzip.BadGzipFile):
             gzip.decompress(gzip.compress(clean) + junk)
         assert "Not a gzipped file" in read_bytes(gzip.compress(clean) + junk, "a.pt").errors[0]
+
+
+@pytest.mark.parametrize("name", ["x.npz", "x.bin"])
+def test_object_arrays_of_one_archive_share_one_pickle_budget(tmp_path, monkeypatch, name):
+    """Each object-array member had its own PICKLE_READ (64 MiB) to inflate and unpickle, with
+    no total: deflated zeros at ~1000:1, a few MB of archive cost minutes. The pickles of one
+    archive now share MAX_PICKLE_TOTAL (npz reader and zip_members alike); a small one here."""
+    from cachedoctor.formats import numpy_npz, zip_members
+
+    total = 3 * 2**20
+    monkeypatch.setattr(zip_members, "MAX_PICKLE_TOTAL", total)
+    monkeypatch.setattr(numpy_npz, "MAX_PICKLE_TOTAL", total)
+    big = object_array(b"\0" * (total // 3))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        for i in range(5):
+            zf.writestr(f"m{i}.npy", big)
+        if name.endswith(".bin"):
+            zf.writestr("readme.txt", "read by zip_members, not the npz reader")
+    meta = read_bytes(out.getvalue(), name)
+    unchecked = [e for e in meta.errors if "not checked" in e]
+    assert unchecked and len(unchecked) <= 3, meta.errors
+    assert not any("m0.npy" in e or "m1.npy" in e for e in unchecked), meta.errors
