@@ -69,12 +69,27 @@ def _inflate(src: Source, most: int) -> Iterator[bytes | str]:
             yield f"gzip stream is damaged at or before byte {pos:,}: {_explain(exc)}"
             return
         if inflater.eof:
-            rest = inflater.unused_data + src.pread(pos, 2)
-            if rest.startswith(b"\x1f\x8b"):  # concatenated gzip members are legal
-                pos -= len(inflater.unused_data)
-                inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                continue
-            return
+            # as Python's gzip reads on (gzip.decompress, GzipFile): zero bytes after a member
+            # are padding, a member may follow them, and anything else makes it refuse the file
+            pos = _past_zeros(src, pos - len(inflater.unused_data))
+            magic = src.pread(pos, 2)
+            if not magic:
+                return
+            if magic != b"\x1f\x8b":
+                yield (f"{src.size - pos:,} bytes at byte {pos:,}, after a gzip member, start "
+                       "no gzip member (gzip.decompress: Not a gzipped file)")
+                return
+            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # concatenated members are legal
+
+
+def _past_zeros(src: Source, pos: int) -> int:
+    """The offset of the first non-zero byte at or after `pos` (the file's size if none)."""
+    while True:
+        chunk = src.pread(pos, CHUNK)
+        rest = chunk.lstrip(b"\0")
+        if rest or not chunk:
+            return pos + len(chunk) - len(rest)
+        pos += len(chunk)
 
 
 def _explain(exc: zlib.error) -> str:

@@ -15,7 +15,7 @@ from cachedoctor.formats import numpy_npy as npy
 from cachedoctor.formats.meta import NPZ, FileMeta, TensorMeta
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter
 from cachedoctor.formats.source import Source
-from cachedoctor.formats.zip_members import PickleScan, scan_members
+from cachedoctor.formats.zip_members import MAX_PICKLE_TOTAL, PickleScan, scan_members
 from cachedoctor.formats.zipdir import (
     DamagedEntry,
     OversizedEntry,
@@ -50,11 +50,12 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     globals_: dict[str, None] = {}
     unsafe_: dict[str, None] = {}
     seen: set[str] = set()
+    pickles = [0]  # bytes of object-array pickles read so far (MAX_PICKLE_TOTAL at most)
     for entry in directory.entries:
         if entry.name in seen:
             notes.append(f"member '{entry.name}' appears twice: numpy reads the last one")
         seen.add(entry.name)
-        member = _read_member(src, entry, deep)
+        member = _read_member(src, entry, deep, pickles)
         notes += member.notes
         globals_.update(dict.fromkeys(member.globals))
         unsafe_.update(dict.fromkeys(member.unsafe))
@@ -92,7 +93,7 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     )
 
 
-def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
+def _read_member(src: Source, entry: ZipEntry, deep: bool, pickles: list[int]) -> _Member:
     member = _Member()
     name = entry.name
     if not name.endswith(".npy"):
@@ -103,7 +104,16 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool) -> _Member:
         data = _read_head(src, entry)
         header = npy.parse_header(data)
         if header.dtype.has_object:
-            data = read_entry(src, entry, header.data_offset + npy.PICKLE_READ)
+            # (each deflated member may inflate to PICKLE_READ: the archive's pickles together
+            # are bounded as zip_members bounds them)
+            want = min(entry.size, header.data_offset + npy.PICKLE_READ)
+            if pickles[0] + want > MAX_PICKLE_TOTAL:
+                member.error = (f"member '{name}' is an object array past the "
+                                f"{MAX_PICKLE_TOTAL // 2**20} MiB of pickles a scan reads in one "
+                                "archive: not checked")
+                return member
+            pickles[0] += want
+            data = read_entry(src, entry, want)
     except (npy.NpyError, ZipError) as exc:  # DamagedEntry included
         if deep:
             _check_whole(src, entry, member, None)

@@ -162,7 +162,11 @@ class _Decoder:
             if n > len(self.buf) - self.at:  # every element takes a byte at least
                 raise IndexError(f"a list of {n:,} elements past the footer's end")
             if element in (_TRUE, _FALSE):  # in a list, a boolean is one byte
-                return [self._byte() == 1 for _ in range(n)]
+                self.items += n  # (each a value: 64 MiB of them must not take half a minute)
+                if self.items > MAX_ITEMS:
+                    raise ValueError("too many or too deeply nested values")
+                start, self.at = self.at, self.at + n
+                return [b == 1 for b in self.buf[start:self.at]]
             return [self.value(element, depth + 1) for _ in range(n)]
         if kind == _MAP:
             n = self._varint()

@@ -26,6 +26,7 @@ import os
 import re
 import sqlite3
 import stat
+import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 MAX_ROWS = 2_000_000  # items and offsets rows read in all; a bigger table is a finding
 MAX_TABLES = 10_000
 MAX_BAD_BLOBS = 100  # misplaced blobs listed per shard; the rest are counted in one line
+# A rollback journal or write-ahead log beside metadata.db is part of what SQLite reads when
+# diffusion-pipe opens it (a hot journal rolled back, a WAL's commits): read with the database
+LOG_SUFFIXES = ("-journal", "-wal")
+MAX_COPY = 1 << 30  # bytes of database and log copied to read them so
 MAX_VM_STEPS = 200_000_000  # SQLite VM instructions (a few seconds) before the read gives up
 _STEP = 100_000
 
@@ -70,7 +75,8 @@ def is_shard_cache(directory: str) -> bool:
 
 def unit_files(path: str) -> list[str] | None:
     """The files diffusion-pipe rebuilds together with `path` (a blob `shard_<n>.bin@<offset>`,
-    a shard, or metadata.db of a sharded cache): metadata.db and every shard of its folder.
+    a shard, or metadata.db of a sharded cache): metadata.db (and its -journal or -wal) and
+    every shard of its folder.
     Items are positional, so a shard cannot go alone: the folder is one unit. None when `path`
     is no part of such a cache."""
     blob = BLOB_PATTERN.match(path)
@@ -85,8 +91,10 @@ def unit_files(path: str) -> list[str] | None:
         names = sorted(os.listdir(directory))
     except OSError:
         return None
+    # (metadata.db's logs go with it: left beside a rebuilt database, SQLite would apply them)
+    logs = {INDEX_NAME + suffix for suffix in LOG_SUFFIXES}
     return [os.path.join(directory, n) for n in names
-            if n == INDEX_NAME or SHARD_PATTERN.match(n)]
+            if n == INDEX_NAME or n in logs or SHARD_PATTERN.match(n)]
 
 
 class _Interrupted(Exception):
@@ -108,8 +116,51 @@ def read_index(path: str) -> ShardIndex:
     if magic != SQLITE_MAGIC:
         why = "it is empty" if not magic else f"it starts with {magic[:8].hex(' ')}"
         return ShardIndex(path, error=f"no SQLite database: {why}")
+    companions = [path + suffix for suffix in LOG_SUFFIXES if os.path.lexists(path + suffix)]
+    if companions:  # what diffusion-pipe's SQLite reads with them: read from a private copy
+        with tempfile.TemporaryDirectory(prefix="cachedoctor-db-") as private:
+            try:
+                copy = _copied(path, companions, private)
+            except OSError as exc:
+                return ShardIndex(path, error=f"cannot read it with its {_names(companions)}: "
+                                              f"{exc.strerror or exc}")
+            return _query(path, _uri(copy, ""))
+    return _query(path, _uri(path, "?mode=ro&immutable=1"))
+
+
+def _uri(path: str, query: str) -> str:
     # (bytes: a name that is no UTF-8, kept by surrogateescape, is percent-encoded as it is)
-    uri = "file:" + urllib.parse.quote(os.fsencode(os.path.abspath(path))) + "?mode=ro&immutable=1"
+    return "file:" + urllib.parse.quote(os.fsencode(os.path.abspath(path))) + query
+
+
+def _names(paths: list[str]) -> str:
+    return " and ".join(os.path.basename(p) for p in paths)
+
+
+def _copied(path: str, companions: list[str], folder: str) -> str:
+    """metadata.db and its logs copied into `folder` (regular files only, MAX_COPY bytes in
+    all): SQLite replays a WAL or rolls back a hot journal there, never in the cache."""
+    budget = MAX_COPY
+    for source in (path, *companions):
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO must not hang the scan)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{os.path.basename(source)} is not a regular file")
+            budget -= st.st_size
+            if budget < 0:
+                raise OSError(f"more than {MAX_COPY // 2**20} MiB to read")
+            left = st.st_size
+            with open(os.path.join(folder, os.path.basename(source)), "wb") as out:
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    out.write(chunk)
+                    left -= len(chunk)
+        finally:
+            os.close(fd)
+    return os.path.join(folder, os.path.basename(path))
+
+
+def _query(path: str, uri: str) -> ShardIndex:
     try:
         con = sqlite3.connect(uri, uri=True, timeout=0)
     except (sqlite3.Error, ValueError) as exc:
@@ -160,13 +211,23 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
         raise _Interrupted(f"more than {MAX_ROWS:,} rows: not read")
     budget -= len(rows)
     shards: dict[int, tuple[tuple[int, int], ...]] = {}
-    for name in sorted(names):
+    # as diffusion-pipe reads them: in sqlite_master's order, each table's shard number
+    # int(name.split('_')[-1]), the rows of every table of one number in one list
+    for name in dict.fromkeys(n for t, n in objects if t == "table" and isinstance(n, str)):
         if not name.startswith("shard_"):
             continue
-        number = name[len("shard_"):]
-        if not number.isdigit() or len(number) > 9:
+        number = name.split("_")[-1]
+        try:
+            shard = int(number)
+        except ValueError:
             bad.append(f"table {name!r} names no shard number (diffusion-pipe fails on it)")
             continue
+        if not 0 <= shard < 10**9:
+            bad.append(f"table {name!r} names shard {number!r:.20}, no shard file's number")
+            continue
+        if name != f"shard_{shard}":
+            bad.append(f"table {name!r} is no name diffusion-pipe writes: it reads its rows as "
+                       f"more rows of shard {shard}")
         quoted = '"' + name.replace('"', '""') + '"'
         table = con.execute(f"SELECT offset, size FROM {quoted} LIMIT ?", (budget + 1,)).fetchall()
         if len(table) > budget:
@@ -179,7 +240,7 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
                 bad.append(f"row {i} of table {name} is no (offset, size) of a blob: {row!r:.80}")
                 continue
             entries.append(pair)
-        shards[int(number)] = tuple(entries)
+        shards[shard] = shards.get(shard, ()) + tuple(entries)
     item_shards: dict[int, int] = {}
     dangling = 0
     for i, row in enumerate(rows):
@@ -197,7 +258,15 @@ def _read(con: sqlite3.Connection, path: str) -> ShardIndex:
 
 
 # by path and stat (inode and ctime too: a metadata.db replaced within a tick, at its size)
-_indexes: dict[tuple[str, int, int, int, int], ShardIndex] = {}
+_indexes: dict[tuple, ShardIndex] = {}
+
+
+def _stamp(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns
 
 
 def index_of(directory: str) -> ShardIndex | None:
@@ -207,7 +276,8 @@ def index_of(directory: str) -> ShardIndex | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = (path, st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
+    key = (path, st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns,
+           *(_stamp(path + suffix) for suffix in LOG_SUFFIXES))  # (a log changes what it holds)
     if key not in _indexes:
         if len(_indexes) >= 8:
             _indexes.clear()

@@ -40,10 +40,12 @@ def looks_like_tar(head: bytes) -> bool:
     field = block[148:156]
     if field[:1] in (b"\x80", b"\xff"):
         return True  # base-256: rare, let tarfile decide
-    text = field.split(b"\0", 1)[0].strip()
-    if not text or any(c not in b"01234567" for c in text):
+    # read as tarfile's nti reads it: up to a NUL, ASCII, Python's int in base 8, which takes
+    # what no tar writes but tarfile accepts (a "0o" prefix, a sign, "_" between digits)
+    try:
+        stored = int(field.split(b"\0", 1)[0].decode("ascii").strip() or "0", 8)
+    except (UnicodeDecodeError, ValueError):
         return False
-    stored = int(text, 8)
     unsigned = sum(block[:148]) + 256 + sum(block[156:])  # the field counts as 8 spaces
     signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 256
     return stored in (unsigned, signed)
@@ -84,30 +86,38 @@ def read(src: Source, path: str) -> FileMeta | None:
     except (tarfile.TarError, EOFError, ValueError, OverflowError):
         return None
     reader = _Reader(src, path)
-    found: dict[str, tarfile.TarInfo] = {}
+    # tarfile's getmember (torch's extract and extractfile) takes a name's last occurrence:
+    # every occurrence is judged, so the whole archive is walked
+    found: dict[str, list[tarfile.TarInfo]] = {}
     try:
         for count, member in enumerate(iter(tar.next, None)):
             if count >= MAX_MEMBERS:
                 reader.errors.append(f"the tar archive holds more than {MAX_MEMBERS:,} members: "
                                      "the rest were not checked")
                 break
-            if member.name in MEMBERS and member.name not in found:
-                found[member.name] = member
-                if len(found) == len(MEMBERS):
-                    break
+            if member.name in MEMBERS:
+                found.setdefault(member.name, []).append(member)
     except (tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
         reader.errors.append(f"the tar archive is damaged after {len(found)} members: "
                              f"{str(exc)[:80]}")
     for name in MEMBERS:
-        member = found.get(name)
-        if member is None:
-            if not reader.errors:
-                reader.errors.append(
-                    f"opens as a tar archive (torch.load tries that before reading a pickle "
-                    f"stream) but holds no '{name}' member: torch.load fails (KeyError)")
-            continue
-        data = src.pread(member.offset_data, min(member.size, MAX_MEMBER_BYTES))
-        getattr(reader, name)(data, member.size)
+        members = found.get(name, [])
+        if not members and not reader.errors:
+            reader.errors.append(
+                f"opens as a tar archive (torch.load tries that before reading a pickle "
+                f"stream) but holds no '{name}' member: torch.load fails (KeyError)")
+        if len(members) > 1:
+            reader.errors.append(f"the tar archive holds '{name}' {len(members)} times: torch.load "
+                                 "reads the last one (tarfile.getmember)")
+        for member in members:
+            if not member.isreg() or member.issparse():
+                # (tarfile follows a link to another member, torch's extract a symlink out of
+                # the archive; no torch.save wrote one)
+                reader.errors.append(f"tar member '{name}' is no plain file (tar type "
+                                     f"{member.type!r}): its bytes lie elsewhere, not checked")
+                continue
+            data = src.pread(member.offset_data, min(member.size, MAX_MEMBER_BYTES))
+            getattr(reader, name)(data, member.size)
     return FileMeta(path, src.size, TORCH_LEGACY, globals=tuple(reader.globals),
                     unsafe_globals=tuple(reader.unsafe), errors=tuple(reader.errors),
                     notes=("a tar archive: torch.load reads it with its pre-1.0 tar loader",))

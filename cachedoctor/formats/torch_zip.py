@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import re
 from dataclasses import dataclass
 
 from cachedoctor.formats import crc as checksum
@@ -62,6 +63,13 @@ from cachedoctor.formats.zipdir import (
 MEMO_PICKLE_BYTES = 64 * 1024
 # Every record a read looks at besides the storages.
 READ_RECORDS = frozenset({"data.pkl", "version", ".data/version", "byteorder"})
+STORAGE = re.compile(r"data/[0-9]+\Z")  # a storage as torch.save names it (its key: a number)
+
+
+def scanned(rest: str) -> bool:
+    """Whether the entry `<prefix>/<rest>` (A-Z folded) is scanned as any zip member is: all
+    but the records the reader reads and torch.save's storages (raw tensor bytes)."""
+    return rest not in READ_RECORDS and not STORAGE.match(rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +311,9 @@ class _Reader:
             elif (first_reading := records.setdefault(name[cut:], e)) is not e:
                 twins.append((first_reading, e))
                 self.others.append(e)
+        # records torch.load never reads (any but the ones it reads and the storages): another
+        # tool may still unpickle them, np.load read one as an object array
+        self.others += [e for name, e in records.items() if scanned(name)]
         if twins:
             errors.append(self._twins_message(*twins[0]))
         # from here on, only for messages

@@ -1,5 +1,7 @@
 """Pickles hidden in zip members: every member that is or claims to be a pickle, whatever its
-name, is read by the restricted unpickler.
+name, is read by the restricted unpickler. So is the pickle of a member holding an object
+array: np.load reads any member that starts with the npy magic as an array, whatever its name,
+and unpickles an object array's data with allow_pickle=True.
 
 torch.load reads only `<prefix>/data.pkl`, but other tools open other members (a peer scanner
 such as picklescan flags them, and an archive of `model/config.pkl` exists to be unpickled by
@@ -19,6 +21,7 @@ import pickletools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from cachedoctor.formats import numpy_npy as npy
 from cachedoctor.formats.meta import ZIP, FileMeta
 from cachedoctor.formats.source import Source
 from cachedoctor.formats.torch_tensors import clip
@@ -71,9 +74,13 @@ def scan_members(src: Source, entries: Iterable[ZipEntry], found: PickleScan) ->
     for entry in entries:
         name = clip(entry.name)
         try:
-            head = read_entry(src, entry, 2)
+            head = read_entry(src, entry, len(npy.MAGIC))
         except ZipError:
             continue  # no readable bytes: no pickle a loader could run
+        if head == npy.MAGIC:
+            if not _scan_array(src, entry, found):
+                return  # (over budget: said once)
+            continue
         marked = looks_like_pickle(head, "")
         if not marked and not looks_like_pickle(head, entry.name):
             continue
@@ -104,6 +111,36 @@ def scan_members(src: Source, entries: Iterable[ZipEntry], found: PickleScan) ->
                 found.errors.append(f"pickle member '{name}' is damaged: {exc}")
             continue
         found.add(unpickled.globals, unpickled.unsafe_globals)
+
+
+def _scan_array(src: Source, entry: ZipEntry, found: PickleScan) -> bool:
+    """The globals of the pickle an npy member holds, when it is an object array; False when
+    the budget of pickles is spent (the rest of the archive is not checked)."""
+    name = clip(entry.name)
+    try:
+        data = read_entry(src, entry, npy.HEAD_READ)
+        end = npy.header_size(data)
+        header = npy.parse_header(data if end <= len(data) else read_entry(src, entry, end))
+        if not header.dtype.has_object:
+            return True
+        want = min(entry.size, header.data_offset + npy.PICKLE_READ)
+        if found.members >= MAX_PICKLE_MEMBERS or found.read + want > MAX_PICKLE_TOTAL:
+            found.errors.append(
+                f"more than {MAX_PICKLE_MEMBERS:,} pickle members or "
+                f"{MAX_PICKLE_TOTAL // 2**20} MiB of them: '{name}' and the rest not checked")
+            return False
+        found.members += 1
+        found.read += want
+        data = read_entry(src, entry, want)
+    except (npy.NpyError, ZipError) as exc:  # np.load may still read what this cannot
+        found.errors.append(f"member '{name}' starts like an npy array but cannot be checked: "
+                            f"{exc}")
+        return True
+    names, unsafe, error = npy.pickle_globals(data, header.data_offset)
+    found.add(names, unsafe)
+    if error:
+        found.errors.append(f"member '{name}': {error}")
+    return True
 
 
 def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMeta:

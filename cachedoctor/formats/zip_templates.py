@@ -6,7 +6,9 @@ stem), the CRC32 fields and the stored bytes. After a file's central directory h
 and found sound, its layout becomes a template. That is a regular expression per window of the
 file in memory. It spells out every structural byte literally (local headers, data
 descriptors, central directory, zip64 and end records). Only the prefix (one and the same
-everywhere), the CRC fields and the payloads are wildcards. A later file of the same size that
+everywhere), the CRC fields and the payloads of the records and storages are wildcards; any
+other entry's payload (which the reader scans for pickles) is spelt out too, but for a stored
+run of digits (torch's serialization_id), matched as digits. A later file of the same size that
 matches it has exactly that directory, so parsing it again is skipped: the match runs in C.
 
 A small file is one window. A file too big to read whole is matched on the head and tail
@@ -36,9 +38,9 @@ import struct
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.source import Window
-from cachedoctor.formats.torch_zip import READ_RECORDS
+from cachedoctor.formats.torch_zip import READ_RECORDS, scanned
 from cachedoctor.formats.zip_members import ascii_fold
-from cachedoctor.formats.zipdir import LOCAL, ZipDirectory
+from cachedoctor.formats.zipdir import LOCAL, STORED, ZipDirectory, ZipEntry
 
 MAX_TEMPLATES = 256
 MAX_PER_SIZE = 8
@@ -221,6 +223,21 @@ def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _payload_kind(entry: ZipEntry, rest: str, windows: tuple[Window, ...]) -> str | None:
+    """How a template matches an entry's payload. "any" for the records the reader reads (a
+    twin's are the same bytes: Template.twin compares them) and the storages (no read but
+    --deep's looks at them, and it reads each twin's); the others the reader scans for a
+    pickle or an npy array (zip_members), so they are spelt out (None), but for a stored
+    run of digits such as torch's serialization_id, unique per save: "digits" then, as no
+    run of digits is either."""
+    if not scanned(rest):
+        return "any"
+    if entry.method == STORED and _bytes_at(
+            windows, entry.data_offset, entry.compressed_size).isdigit():
+        return "digits"
+    return None
+
+
 class _Outside(Exception):
     """A structural byte lies outside the windows: no template."""
 
@@ -247,13 +264,16 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
     if not all(e.name.startswith(first[: slash + 1]) for e in directory.entries):
         return None
     prefix_len = slash  # the stem; the "/" after it stays literal
-    holes: list[tuple[int, int, str]] = []  # (start, end, kind): kind "prefix" or "any"
+    cut = slash + 1
+    holes: list[tuple[int, int, str]] = []  # (start, end, kind): "prefix", "any" or "digits"
     for e in directory.entries:
         holes.append((e.header_offset + LOCAL.size, e.header_offset + LOCAL.size + prefix_len,
                       "prefix"))
         holes.append((e.header_offset + 14, e.header_offset + 18, "any"))  # local CRC
         end = e.data_offset + e.compressed_size
-        holes.append((e.data_offset, end, "any"))  # the payload
+        kind = _payload_kind(e, ascii_fold(e.name[cut:]), windows)
+        if kind is not None:
+            holes.append((e.data_offset, end, kind))  # the payload
         # a data descriptor follows when flag bit 3 is set: [signature] CRC sizes
         flags = struct.unpack("<H", _bytes_at(windows, e.header_offset + 6, 2))[0]
         if flags & 0x08:
@@ -276,7 +296,6 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
             return None  # overlapping or out of range: not a layout to template
         cursor = end
     # The payloads a read never looks at (storages) are skipped; every other byte decides.
-    cut = slash + 1
     skipped = sorted((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
                      if ascii_fold(e.name[cut:]) not in READ_RECORDS
                      and e.compressed_size >= MIN_SKIPPED)
@@ -302,7 +321,7 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
                 parts.append(b"(?P=prefix)" if named else b"(?P<prefix>[^/]{%d})" % prefix_len)
                 named = True
             elif end > start:
-                parts.append(b".{%d}" % (end - start))
+                parts.append((b"[0-9]{%d}" if kind == "digits" else b".{%d}") % (end - start))
             cursor = end
         parts.append(re.escape(data[cursor - at :]))
         patterns.append((at, n, re.compile(b"".join(parts), re.DOTALL)))

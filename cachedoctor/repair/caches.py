@@ -45,6 +45,14 @@ def plain_run_id(run_id: str) -> bool:
         and "\0" not in run_id
 
 
+def plain_relpath(relpath: str) -> bool:
+    """Whether `relpath` names a file below a cache root as a run records one: relative, and
+    no part of it empty, `.` or `..` (a hostile journal's `a/..` names the folder `a` itself,
+    which undo would hash and unlink as a file)."""
+    return bool(relpath) and not os.path.isabs(relpath) and "\0" not in relpath and all(
+        part not in ("", ".", "..") for part in relpath.split(os.sep))
+
+
 def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
     """Every cache root of the layouts' datasets, absolute, in order, without repeats: their
     cache dirs, or, for caches beside the images (kohya, ai-toolkit), their image dirs. Raises

@@ -24,7 +24,13 @@ import stat
 
 from cachedoctor.fix_kinds import QUARANTINE, REENCODE
 from cachedoctor.repair import atomic, confined
-from cachedoctor.repair.caches import QUARANTINE_DIR, ActionPaths, plain_run_id, state_dir
+from cachedoctor.repair.caches import (
+    QUARANTINE_DIR,
+    ActionPaths,
+    plain_relpath,
+    plain_run_id,
+    state_dir,
+)
 from cachedoctor.repair.journal import (
     CONFLICT,
     IN_FLIGHT,
@@ -48,6 +54,8 @@ def roll_back(record: ActionRecord, root: str) -> str | None:
     for a symlink since the run leaves the file where it is, reported, never moved out."""
     if not plain_run_id(record.run_id):  # a hostile journal's: its temp names are no one's
         return f"{record.run_id!r} is no run id cachedoctor writes: {record.relpath!r} left alone"
+    if not plain_relpath(record.relpath):
+        return f"{record.relpath!r} is no file path cachedoctor records: left alone"
     root_fd = confined.open_root(root)
     fds: list[int] = []
     try:
@@ -115,10 +123,14 @@ def _remove_at(folder: int, name: str) -> None:
 
 
 def _sha_at(folder: int, name: str) -> str | None:
-    """The sha256 of the regular file `name` (None if it is missing or a symlink)."""
+    """The sha256 of the regular file `name` (None if it is missing, a symlink, or no regular
+    file: a folder or FIFO put in its place since the run)."""
     try:
         fd = confined.open_file(folder, name)
     except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         return None
     with os.fdopen(fd, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

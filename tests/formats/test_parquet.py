@@ -101,3 +101,20 @@ def test_a_parquet_name_promises_a_cache_file(tmp_path: Path) -> None:
     (cache / "text.parquet").write_bytes(b"image_hash,prompt_embeds\n")
     found = {(f.code, Path(f.path).name) for f in scan_paths(cache).findings}
     assert found == {("CD102", "empty.parquet"), ("CD101", "text.parquet")}
+
+
+def test_a_footer_of_one_long_boolean_list_is_bounded() -> None:
+    """A list of booleans was decoded a byte at a time without counting toward MAX_ITEMS: a
+    64 MiB footer of one such list took half a minute and half a GiB. Now each counts."""
+    import time
+
+    n = 4_000_000
+    varint, v = b"", n
+    while v >= 0x80:
+        varint, v = varint + bytes([v & 0x7F | 0x80]), v >> 7
+    footer = b"\x19\xf1" + varint + bytes([v]) + b"\x01" * n + b"\x00"  # field 1: list<bool>
+    data = b"PAR1" + footer + len(footer).to_bytes(4, "little") + b"PAR1"
+    started = time.perf_counter()
+    meta = read_bytes(data, "x.parquet")
+    assert time.perf_counter() - started < 1
+    assert "too many" in meta.errors[0]

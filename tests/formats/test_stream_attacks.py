@@ -315,3 +315,66 @@ def test_a_reading_with_globals_of_its_own_takes_no_twins_verdict():
     assert pickled.globals and twin.same_as is first
     merged = _with_pickle(twin, pickled)
     assert merged.same_as is None and merged.unsafe_globals
+
+
+def _legacy_tar(members: list[tuple[str, bytes, dict]]) -> bytes:
+    """A pre-1.0 torch tar: an empty `storages` and `tensors`, then `members` (name, bytes,
+    TarInfo fields)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, body, fields in [("storages", pickle.dumps(0, 2) + pickle.dumps([], 2), {}),
+                                   ("tensors", pickle.dumps(0, 2), {}), *members]:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            for key, value in fields.items():
+                setattr(info, key, value)
+            tar.addfile(info, io.BytesIO(body))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("attack", ["second pickle", "hard link"])
+def test_a_tar_pickle_torch_reads_but_the_scan_did_not(tmp_path, attack):
+    """torch's tar loader asks tarfile for 'pickle': the last member of that name, and a link's
+    target. The scan read the first, and a link's own (empty) bytes: clean."""
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    cache.mkdir()
+    benign = pickle.dumps({"a": 1}, 2)
+    if attack == "second pickle":
+        members = [("pickle", benign, {}), ("pickle", payload(marker), {})]
+    else:
+        members = [("evil", payload(marker), {}),
+                   ("pickle", b"", {"type": tarfile.LNKTYPE, "linkname": "evil"})]
+    bad = cache / "a.pt"
+    bad.write_bytes(_legacy_tar(members))
+    proves_torch_load(bad, marker)
+    assert read_path(str(bad)).errors
+    report = scan_paths(cache)
+    assert "CD101" in {f.code for f in report.findings if f.path == str(bad)}
+    if attack == "second pickle":  # (a link's target is not followed: no CD105 for it)
+        assert_hostile_and_never_run(cache, bad, marker)
+    # the plain archive reads clean
+    clean = tmp_path / "clean.pt"
+    clean.write_bytes(_legacy_tar([("pickle", benign, {})]))
+    assert read_path(str(clean)).errors == ()
+
+
+@pytest.mark.parametrize("spelt", [b"0o%05o\0", b"+%06o\0", b"%03o_%03o\0"])
+def test_a_tar_checksum_spelt_as_tarfile_still_reads_it(tmp_path, spelt):
+    """tarfile parses a header's checksum with Python's int(text, 8), which takes a "0o"
+    prefix, a sign or an underscore; the sniff took only octal digits, so the tar polyglot
+    with such a checksum was judged as a pickle stream alone: clean, while torch.load ran the
+    tar's pickles."""
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    cache.mkdir()
+    data = bytearray(tar_polyglot(marker))
+    block = data[:512]
+    block[148:156] = b" " * 8
+    total = sum(block)
+    data[148:156] = (spelt % (total // 512, total % 512) if b"_" in spelt else spelt % total)
+    bad = cache / "embed.pt"
+    bad.write_bytes(bytes(data))
+    with tarfile.open(bad) as tar:
+        assert "storages" in tar.getnames()
+    proves_torch_load(bad, marker)
+    assert "builtins.open" in read_path(str(bad)).unsafe_globals
+    assert_hostile_and_never_run(cache, bad, marker)

@@ -459,3 +459,161 @@ def test_an_encrypted_stored_member_is_no_bomb(tmp_path):
     data[6] = data[data.index(b"PK\x01\x02") + 8] = 0
     (tmp_path / "bomb.zip").write_bytes(bytes(data))
     assert "stored bytes" in read_path(str(tmp_path / "bomb.zip")).errors[0]
+
+
+def object_array(obj: object) -> bytes:
+    """An .npy of a one-element object array holding `obj`: its data is a pickle."""
+    arr = np.empty(1, dtype=object)
+    arr[0] = obj
+    out = io.BytesIO()
+    np.save(out, arr, allow_pickle=True)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("member", ["latents.npy", "archive/latents.npy", "archive/blob"])
+@pytest.mark.parametrize("name", ["a.npz", "a.pt"])
+def test_an_object_array_beside_torchs_records(paths, tmp_path, member, name):
+    """np.load reads any zip (whatever its name) and any member that starts with the npy magic
+    (whatever its name) as an array: an object array beside a clean torch.save's records ran
+    under np.load(allow_pickle=True) and the scan, reading the file as torch's, called it
+    clean."""
+    cache, marker = paths
+    path = cache / name
+    base = saved({"latent": torch.zeros(4, 8, 8)})
+    path.write_bytes(rezip(base, extra=[(member, object_array(Payload(marker)))]))
+    assert unsafe_load(path, marker, NP_LOAD)
+    assert OPEN in read_path(str(path)).unsafe_globals
+    judged_hostile(path, marker, tmp_path)
+    # a plain array there (no pickle) is no finding
+    path.write_bytes(rezip(base, extra=[(member, _npy_floats())]))
+    meta = read_path(str(path))
+    assert meta.ok and meta.unsafe_globals == ()
+
+
+def _npy_floats() -> bytes:
+    out = io.BytesIO()
+    np.save(out, np.ones(3, np.float32))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("member", ["archive/extra.pkl", "archive/data/extra.pkl"])
+def test_a_pickle_torch_never_reads_inside_the_prefix(paths, tmp_path, member):
+    """archive/extra.pkl sits among torch's records, which the reader alone read: it was never
+    scanned, though any other member of any zip is (nor is one in data/ named as no storage
+    torch.save writes)."""
+    cache, marker = paths
+    path = cache / "a.pt"
+    path.write_bytes(rezip(saved(torch.ones(3)),
+                           extra=[(member, pickle.dumps(Payload(marker), 2))]))
+    code = ("import sys, zipfile, pickle; "
+            f"pickle.loads(zipfile.ZipFile(sys.argv[1]).read({member!r}))")
+    assert unsafe_load(path, marker, code)
+    assert OPEN in read_path(str(path)).unsafe_globals
+    judged_hostile(path, marker, tmp_path)
+
+
+def _restamped(data: bytes, edit=lambda name, body: body, extra=()) -> bytes:
+    """`data` written again by zipfile, every entry dated alike (so two calls differ only
+    where an edit makes them differ): each entry's bytes through `edit`, then `extra`."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        entries = [(i.filename, edit(i.filename, src.read(i))) for i in src.infolist()]
+        for name, body in [*entries, *extra]:
+            dst.writestr(zipfile.ZipInfo(name, (2020, 1, 1, 0, 0, 0)), body)
+    return out.getvalue()
+
+
+def _id(data: bytes) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return zf.read("archive/.data/serialization_id")
+
+
+def _same_length(evil: bytes) -> bytes:
+    """A benign pickle exactly as long as `evil`."""
+    pad = 10 + len(evil) - len(pickle.dumps({"k": "x" * 10}, protocol=2))
+    benign = pickle.dumps({"k": "x" * pad}, protocol=2)
+    assert len(benign) == len(evil)
+    return benign
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_twin_template_spells_out_the_members_the_reader_scans(tmp_path, deep):
+    """A template wildcarded every entry's payload, comparing only the records torch reads: a
+    file laid out as a clean one, with a hostile pickle where that one had a benign pickle of
+    the same length (or where torch.save writes its serialization_id), took its verdict."""
+    evil = pickle.dumps(Payload(tmp_path / "m"), protocol=2)
+    base = saved({"latent": torch.zeros(4, 8, 8)})
+    system = b"\x80\x02cos\nsystem\nU\x02ab\x85R."  # a pickle as long as torch's id
+    pairs = [
+        (_restamped(base, extra=[("archive/extra.pkl", _same_length(evil))]),
+         _restamped(base, extra=[("archive/extra.pkl", evil)]), OPEN),
+        (_restamped(base, extra=[("archive/data/x.pkl", _same_length(evil))]),
+         _restamped(base, extra=[("archive/data/x.pkl", evil)]), OPEN),
+        (_restamped(base), _restamped(base, lambda n, b: system.ljust(len(b), b".") if n.endswith(
+            "serialization_id") else b), "os.system"),
+    ]
+    for clean, hostile, named in pairs:
+        assert len(clean) == len(hostile)
+        templates = zip_templates.Templates()
+        assert read_bytes(clean, "a.pt", deep=deep, templates=templates).unsafe_globals == ()
+        assert templates.count == 1
+        meta = read_bytes(hostile, "b.pt", deep=deep, templates=templates)
+        assert named in meta.unsafe_globals
+    # another save (its own serialization_id, digits too) still takes the fast path
+    templates = zip_templates.Templates()
+    again = saved({"latent": torch.ones(4, 8, 8)})
+    assert _id(again) != _id(base) and len(again) == len(base)
+    read_bytes(base, "a.pt", deep=deep, templates=templates)
+    template, _ = templates.match(len(again), BytesSource(again).windows)
+    assert template.twin(template.record_bytes(BytesSource(again).windows), "b.pt", deep)
+
+
+def test_a_gzip_member_after_zero_padding(paths, tmp_path):
+    """Python's gzip skips zero bytes after a member and reads on: a second member there,
+    ignored by the scan, appended a zip whose central directory names a hostile data.pkl
+    to the clean torch.save SimpleTuner's loader handed torch.load."""
+    cache, marker = paths
+    clean = saved({"latent": torch.zeros(4, 8, 8)})
+    out = io.BytesIO(clean)
+    out.seek(len(clean))
+    with zipfile.ZipFile(io.BytesIO(saved(Payload(marker)))) as src, \
+            zipfile.ZipFile(out, "w") as dst:  # offsets count from the clean file's start
+        for info in src.infolist():
+            dst.writestr(info, src.read(info))
+    tail = out.getvalue()[len(clean):]
+    path = cache / "a.pt"
+    path.write_bytes(gzip.compress(clean) + bytes(16) + gzip.compress(tail))
+    code = ("import gzip, io, sys, torch; torch.load(io.BytesIO(gzip.decompress("
+            "open(sys.argv[1], 'rb').read())), weights_only=False)")
+    assert unsafe_load(path, marker, code)
+    assert read_path(str(path)).errors
+    judged_hostile(path, marker, tmp_path)
+    # zero padding alone is legal; anything else after a member makes gzip refuse the file
+    assert read_bytes(gzip.compress(clean) + bytes(16), "a.pt").ok
+    for junk in (b"x", bytes(3) + b"\x1f", b"PK\x03\x04"):
+        with pytest.raises(gzip.BadGzipFile):
+            gzip.decompress(gzip.compress(clean) + junk)
+        assert "Not a gzipped file" in read_bytes(gzip.compress(clean) + junk, "a.pt").errors[0]
+
+
+@pytest.mark.parametrize("name", ["x.npz", "x.bin"])
+def test_object_arrays_of_one_archive_share_one_pickle_budget(tmp_path, monkeypatch, name):
+    """Each object-array member had its own PICKLE_READ (64 MiB) to inflate and unpickle, with
+    no total: deflated zeros at ~1000:1, a few MB of archive cost minutes. The pickles of one
+    archive now share MAX_PICKLE_TOTAL (npz reader and zip_members alike); a small one here."""
+    from cachedoctor.formats import numpy_npz, zip_members
+
+    total = 3 * 2**20
+    monkeypatch.setattr(zip_members, "MAX_PICKLE_TOTAL", total)
+    monkeypatch.setattr(numpy_npz, "MAX_PICKLE_TOTAL", total)
+    big = object_array(b"\0" * (total // 3))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        for i in range(5):
+            zf.writestr(f"m{i}.npy", big)
+        if name.endswith(".bin"):
+            zf.writestr("readme.txt", "read by zip_members, not the npz reader")
+    meta = read_bytes(out.getvalue(), name)
+    unchecked = [e for e in meta.errors if "not checked" in e]
+    assert unchecked and len(unchecked) <= 3, meta.errors
+    assert not any("m0.npy" in e or "m1.npy" in e for e in unchecked), meta.errors

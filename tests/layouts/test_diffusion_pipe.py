@@ -456,3 +456,157 @@ def test_a_metadata_db_replaced_at_its_size_and_mtime_is_read_again(tmp_path):
     os.replace(new, db)
     assert (db.stat().st_size, db.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     assert shard_blobs.index_of(str(tmp_path)).items == 5
+
+
+# diffusion-pipe's Cache (utils/cache.py) as it picks a blob's bytes, then torch.load
+DP_LOAD = """
+import io, sqlite3, sys, torch
+from collections import defaultdict
+path = sys.argv[1]
+con = sqlite3.connect(path + "/metadata.db")
+items = con.execute("SELECT shard, shard_index FROM items").fetchall()
+shard_metadata = defaultdict(list)
+for table_name, in con.execute("SELECT name FROM sqlite_master").fetchall():
+    if table_name.startswith("shard_"):
+        shard_id = int(table_name.split("_")[-1])
+        shard_metadata[shard_id].extend(con.execute(f"SELECT offset, size FROM {table_name}"))
+for shard, index in items:
+    offset, size = shard_metadata[shard][index]
+    with open(f"{path}/shard_{shard}.bin", "rb") as f:
+        f.seek(offset)
+        torch.load(io.BytesIO(f.read(size)), map_location="cpu", weights_only=False)
+"""
+
+
+class Opens:
+    """Creates `marker` when unpickled for real."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("hostile_table", ["shard_01", "shard_x_1"])
+def test_a_second_table_of_one_shard_number(tmp_path: Path, hostile_table: str) -> None:
+    """diffusion-pipe reads a table's shard number as int(name.split('_')[-1]) and appends the
+    rows of every table of one number in sqlite_master's order. The scan kept one table per
+    number (shard_1 sorted after shard_01 and replaced its rows): a hostile blob that only
+    shard_01 lists, loaded for item 0, was never read."""
+    import subprocess
+    import sys
+
+    import torch
+
+    folder, marker = tmp_path / "cache_1.000000x64x64x1" / "latents", tmp_path / "marker"
+    folder.mkdir(parents=True)
+
+    def blob(obj: object) -> bytes:
+        out = io.BytesIO()
+        torch.save(obj, out)
+        return out.getvalue()
+
+    clean = [blob({"latents": torch.full((16, 1, 8, 8), float(i))}) for i in range(3)]
+    hostile = blob({"latents": torch.zeros(16, 1, 8, 8), "x": Opens(marker)})
+    rows, at = [], 0
+    for b in clean:
+        rows.append((at, len(b)))
+        at += len(b)
+    (folder / "shard_1.bin").write_bytes(b"".join(clean) + hostile)
+    con = sqlite3.connect(folder / "metadata.db")
+    con.execute("CREATE TABLE fingerprint(value)")
+    con.execute("INSERT INTO fingerprint VALUES ('f')")
+    con.execute("CREATE TABLE items(shard, shard_index)")
+    con.executemany("INSERT INTO items VALUES (1, ?)", [(i,) for i in range(3)])
+    con.execute(f"CREATE TABLE {hostile_table}(offset, size)")  # first in sqlite_master
+    con.execute(f"INSERT INTO {hostile_table} VALUES (?, ?)", (at, len(hostile)))
+    con.execute("CREATE TABLE shard_1(offset, size)")
+    con.executemany("INSERT INTO shard_1 VALUES (?, ?)", rows)
+    con.commit()
+    con.close()
+    subprocess.run([sys.executable, "-c", DP_LOAD, str(folder)], capture_output=True, timeout=120)
+    assert marker.exists()
+    marker.unlink()
+    report = scan_paths(tmp_path)
+    assert [f.path for f in by_code(report, "CD105")] == [f"{folder / 'shard_1.bin'}@{at}"]
+    assert [f.path for f in by_code(report, "CD101")] == [str(folder / "metadata.db")]
+
+
+# Leaves metadata.db (argv[1]) with a hot journal: a transaction pointing the one row of
+# shard_0 at (0, argv[2]) spilled to the file, then the process dies before COMMIT.
+KILLED_MID_COMMIT = """
+import os, sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA cache_size=1")
+con.execute("BEGIN EXCLUSIVE")
+con.execute("UPDATE shard_0 SET offset = 0, size = ?", (int(sys.argv[2]),))
+con.execute("UPDATE pad SET x = zeroblob(1000)")
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("log", ["wal", "hot journal"])
+def test_a_log_beside_metadata_db_is_read_as_sqlite_reads_it(tmp_path: Path, log: str) -> None:
+    """The scan opened metadata.db immutable, which ignores a -wal file and a hot -journal;
+    diffusion-pipe's SQLite reads the WAL's commits and rolls a hot journal back. Shipped with
+    one, a clean-looking database pointed diffusion-pipe at a hostile blob the scan never read."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    folder, marker = tmp_path / "cache" / "latents", tmp_path / "marker"
+    folder.mkdir(parents=True)
+    out = io.BytesIO()
+    torch.save({"latents": torch.zeros(16, 1, 8, 8)}, out)
+    clean = out.getvalue()
+    out = io.BytesIO()
+    torch.save({"latents": torch.zeros(16, 1, 8, 8), "x": Opens(marker)}, out)
+    hostile = out.getvalue()
+    (folder / "shard_0.bin").write_bytes(clean + hostile)
+    work = tmp_path / "work"
+    work.mkdir()
+    con = sqlite3.connect(work / "metadata.db", isolation_level=None)
+    if log == "wal":
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA wal_autocheckpoint=0")
+    for statement in ("CREATE TABLE fingerprint(value)", "INSERT INTO fingerprint VALUES ('f')",
+                      "CREATE TABLE items(shard, shard_index)", "INSERT INTO items VALUES (0, 0)",
+                      "CREATE TABLE shard_0(offset, size)", "CREATE TABLE pad(x)"):
+        con.execute(statement)
+    first, then = ((0, len(clean)), (len(clean), len(hostile))) if log == "wal" else (
+        (len(clean), len(hostile)), None)
+    con.execute("INSERT INTO shard_0 VALUES (?, ?)", first)
+    con.executemany("INSERT INTO pad VALUES (?)", [(b"x" * 1000,)] * 200)
+    if log == "wal":
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the clean row in the file
+        con.execute("UPDATE shard_0 SET offset = ?, size = ?", then)  # the hostile one in the WAL
+        for name in ("metadata.db", "metadata.db-wal"):
+            shutil.copy(work / name, folder / name)
+        con.close()
+    else:
+        con.close()
+        shutil.copy(work / "metadata.db", folder / "metadata.db")
+        subprocess.run([sys.executable, "-c", KILLED_MID_COMMIT, str(folder / "metadata.db"),
+                        str(len(clean))], check=True, timeout=60)
+        assert (folder / "metadata.db-journal").exists()
+    listed = sorted(os.listdir(folder))
+    immutable = sqlite3.connect(f"file:{folder / 'metadata.db'}?mode=ro&immutable=1", uri=True)
+    assert immutable.execute("SELECT offset FROM shard_0").fetchall() == [(0,)]
+    immutable.close()
+
+    report = scan_paths(tmp_path)
+
+    assert sorted(os.listdir(folder)) == listed  # the scan changed nothing there
+    assert [f.path for f in by_code(report, "CD105")] == [f"{folder / 'shard_0.bin'}@{len(clean)}"]
+    shutil.copytree(folder, tmp_path / "copy")  # (SQLite may roll the journal back in place)
+    subprocess.run([sys.executable, "-c", DP_LOAD, str(tmp_path / "copy")], capture_output=True,
+                   timeout=120)
+    assert marker.exists()
+    marker.unlink()
+    # fix quarantines the folder, the log with it (beside a rebuilt database SQLite applies it)
+    result = invoke("fix", str(folder.parent), "-y")
+    assert result.exit_code == 0, result.output
+    assert list(folder.iterdir()) == [] and not marker.exists()

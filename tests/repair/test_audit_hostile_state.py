@@ -265,3 +265,45 @@ def test_a_plan_names_a_symlinked_folder_s_target_as_inert_text(tmp_path: Path) 
 
     assert "out\\x1b[2J\\x0aFAKE, outside the cache" in result.stdout, result.stdout
     assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", result.stdout + result.stderr)
+
+
+@pytest.mark.parametrize("relpath", ["sub/..", ".", "sub/.", "/sub/x.pt", "sub//x.pt"])
+def test_undo_of_a_journal_path_naming_a_folder_is_one_conflict(tmp_path: Path, relpath: str) -> None:
+    """A journal's relpath `sub/..` names the folder sub itself (its basename is `..`): undo
+    of a re-encode hashed it as a file and died (IsADirectoryError, exit 2), leaving the run
+    half undone. Such a path (as an absolute one, or one with an empty part) is no file a run
+    records: left alone and reported."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "sub").mkdir()
+    (cache / "sub" / "x.pt").write_bytes(b"the user's")
+    from cachedoctor.repair.journal import Journal
+
+    Journal.open(str(cache)).close()
+    conn = sqlite3.connect(cache / STATE_DIR / JOURNAL)
+    with conn:
+        conn.execute("INSERT INTO runs (run_id, started, finished, state) "
+                     "VALUES ('20260101-000000-abcd', 1000, 1001, 'done')")
+        conn.execute("INSERT INTO actions (run_id, seq, action, relpath, path, codes, state, "
+                     "sha_after, updated) VALUES ('20260101-000000-abcd', 1, 'reencode', ?, ?, "
+                     "'CD101', 'done', 'x', 1000)", (relpath.encode(), relpath.encode()))
+    conn.close()
+
+    result = run_cli("undo", "--cache", str(cache))
+
+    assert result.returncode == 1, result.stderr
+    assert "left alone" in result.stdout
+    assert (cache / "sub" / "x.pt").read_bytes() == b"the user's"
+
+
+def test_undo_of_a_reencode_whose_file_became_a_folder(tmp_path: Path) -> None:
+    """A folder put where a re-encoded file was: its sha256 is no file's, so it stays."""
+    from cachedoctor.repair import rollback
+    from cachedoctor.repair.journal import ActionRecord
+
+    cache = tmp_path / "cache"
+    (cache / "x.pt").mkdir(parents=True)
+    record = ActionRecord("20260101-000000-abcd", 1, "reencode", "x.pt", ("CD101",), "done",
+                          1, None, "x", None)
+    assert rollback.roll_back(record, str(cache)) is None
+    assert (cache / "x.pt").is_dir()
