@@ -75,6 +75,18 @@ def _state_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     shutil.rmtree(state, ignore_errors=True)  # kept by no retention policy: nothing to look at
 
 
+@pytest.fixture
+def fs(fs):  # pyfakefs's `fs`, and what a scan inside it left in the process
+    """A scan under pyfakefs hashes a fake file system for the index's code stamp (every source
+    file missing) and functools.cache keeps it: later real scans in the same process then
+    stamped their verdicts unlike the CLI's, and reused none of an index a CLI scan wrote."""
+    from cachedoctor.index import code_stamp
+
+    code_stamp.cache_clear()
+    yield fs
+    code_stamp.cache_clear()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread() -> None:
     """Fixtures encode tiny tensors: torch's thread pool (sized for every core the machine

@@ -42,7 +42,7 @@ from cachedoctor.inventory import STATE_DIR
 from cachedoctor.remote import client as clients
 from cachedoctor.remote import is_remote, join, split
 from cachedoctor.repair.apply import new_run_id
-from cachedoctor.repair.caches import QUARANTINE_DIR
+from cachedoctor.repair.caches import KEPT_SUFFIX, QUARANTINE_DIR
 from cachedoctor.repair.index import state_home
 from cachedoctor.repair.journal import (
     CONFLICT,
@@ -85,8 +85,10 @@ class RemoteAction:
     def relkey(self) -> str:
         return self.url[len(self.root) + 1:]
 
-    def quarantine(self, run_id: str) -> str:
-        return f"{self.root}/{STATE_DIR}/{QUARANTINE_DIR}/{run_id}/{self.relkey}"
+    def quarantine(self, run_id: str, kept_suffix: str = KEPT_SUFFIX) -> str:
+        """The key of the kept copy (KEPT_SUFFIX: SimpleTuner's S3 backend lists the whole
+        bucket by extension; kept_suffix "" for a run made before it)."""
+        return f"{self.root}/{STATE_DIR}/{QUARANTINE_DIR}/{run_id}/{self.relkey}{kept_suffix}"
 
 
 @dataclass(frozen=True)
@@ -295,8 +297,11 @@ def _mirror_rows(mirror: dict, root: str, run_id: str) -> tuple[list[Row], list[
         if why is not None:
             refused.append((where, why.replace("its key", "the object's key")))
             continue
-        quarantine = RemoteAction(url, root, (), size, etag).quarantine(run_id)
-        if item.get("quarantine") != quarantine:
+        action = RemoteAction(url, root, (), size, etag)
+        # today's name, or the bare one of a run made before KEPT_SUFFIX: nothing else
+        quarantine = next((q for q in (action.quarantine(run_id), action.quarantine(run_id, ""))
+                           if item.get("quarantine") == q), None)
+        if quarantine is None:
             refused.append((where, f"names a quarantine copy other than {STATE_DIR}/{QUARANTINE_DIR}/"
                                    f"{run_id}/ under the prefix: left alone"))
             continue
@@ -414,7 +419,8 @@ def undo(run_id: str | None, root: str, *, warn=lambda line: None) -> RemoteRun:
                     if a.state == DONE:
                         url = f"{root}/{a.relpath}"
                         action = RemoteAction(url, root, a.codes, a.size_before or 0, a.sha_before or "")
-                        rows.append((a.seq, url, action.quarantine(chosen), action.size, action.etag))
+                        rows.append((a.seq, url, action.quarantine(chosen, a.kept_suffix), action.size,
+                                     action.etag))
     if journal is None:
         if run_id is None:
             raise RemoteFixError(f"no run to undo in {root} (give RUN_ID: its journal mirror is "

@@ -14,6 +14,7 @@ from cachedoctor.fixtures import BUILDERS
 from cachedoctor.fixtures.clean import build as clean
 from cachedoctor.options import ScanOptions
 from cachedoctor.repair import remote
+from cachedoctor.repair.caches import KEPT_SUFFIX
 from cachedoctor.repair.journal import DONE, SKIPPED, Journal
 
 from conftest import invoke
@@ -50,7 +51,7 @@ def test_fix_quarantines_by_copy_and_undo_restores(s3: Bucket, tmp_path: Path) -
     assert len(gone) == 2 and not gone & set(s3.keys(PREFIX))
     quarantine = f"{PREFIX}/.cachedoctor/quarantine/{run_id}/"
     for key in gone:  # the originals, byte for byte, in the same bucket
-        assert s3.get(quarantine + key[len(PREFIX) + 1:]) == before[key]
+        assert s3.get(quarantine + key[len(PREFIX) + 1:] + KEPT_SUFFIX) == before[key]
     mirror = json.loads(s3.get(f"{PREFIX}/.cachedoctor/journal/{run_id}.json"))
     assert mirror["state"] == DONE and {a["state"] for a in mirror["actions"]} == {DONE}
     with Journal.open(remote.local_root(s3.url(PREFIX))) as journal:  # the local journal
@@ -109,7 +110,7 @@ def test_undo_leaves_a_quarantine_copy_changed_since_the_run(s3: Bucket, tmp_pat
     result = remote.apply(_plan(s3))
     torn = next(a.url for a, state, _ in result.outcomes if state == DONE and "/torn/" in a.url)
     key = torn.split("/", 3)[3]
-    copy = f"{PREFIX}/.cachedoctor/quarantine/{result.run_id}/{key[len(PREFIX) + 1:]}"
+    copy = f"{PREFIX}/.cachedoctor/quarantine/{result.run_id}/{key[len(PREFIX) + 1:]}{KEPT_SUFFIX}"
     forged = bytes(len(s3.get(copy)))
     s3.client.put_object(Bucket=s3.name, Key=copy, Body=forged)
     undone = invoke("undo", result.run_id, "--cache", s3.url(PREFIX))
@@ -117,3 +118,30 @@ def test_undo_leaves_a_quarantine_copy_changed_since_the_run(s3: Bucket, tmp_pat
     assert key not in s3.keys(PREFIX) and s3.get(copy) == forged
     hostile = next(k for k in before if "/hostile/" in k)
     assert s3.get(hostile) == before[hostile]  # the other object came back
+
+
+def test_no_quarantine_copy_is_listed_by_extension_and_old_runs_are_undone(
+        s3: Bucket, tmp_path: Path) -> None:
+    """SimpleTuner's S3 backend lists the whole bucket and keeps every key by its extension
+    (simpletuner/helpers/data_backend/aws.py list_files, bghira/SimpleTuner@bc8e6ab7): no copy
+    the quarantine keeps ends with a cache extension. A run made before that naming (its journal
+    names the bare key) is still put back."""
+    before = _cache(s3, tmp_path)
+    result = remote.apply(_plan(s3))
+    kept = s3.keys(f"{PREFIX}/.cachedoctor/quarantine/")
+    assert len(kept) == 2 and all(k.endswith(KEPT_SUFFIX) for k in kept)
+    for k in kept:  # as a run made before KEPT_SUFFIX left them
+        s3.client.copy_object(Bucket=s3.name, Key=k.removesuffix(KEPT_SUFFIX),
+                              CopySource={"Bucket": s3.name, "Key": k})
+        s3.client.delete_object(Bucket=s3.name, Key=k)
+    with Journal.open(remote.local_root(s3.url(PREFIX))) as journal, journal.conn as db:
+        for seq, relpath in db.execute("SELECT seq, relpath FROM actions WHERE run_id = ?",
+                                       (result.run_id,)).fetchall():
+            bare = f".cachedoctor/quarantine/{result.run_id}/".encode() + relpath
+            db.execute("UPDATE actions SET quarantine = ? WHERE run_id = ? AND seq = ?",
+                       (bare, result.run_id, seq))
+
+    undone = invoke("undo", result.run_id, "--cache", s3.url(PREFIX))
+
+    assert undone.exit_code == 0, undone.output
+    assert {k: s3.get(k) for k in s3.keys(PREFIX) if "/.cachedoctor/" not in k} == before
