@@ -187,6 +187,12 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
     if at != 0 or (len(head) < min(src.size, SNIFF_BYTES) and not head.startswith(b"PK")):
         head = src.pread(0, SNIFF_BYTES)  # (spans of a zip layout, but no zip)
     fmt = sniff(head, src.size)
+    if fmt == GZIP and not top:
+        # SimpleTuner gunzips once and hands the rest to torch.load, which reads no gzip: the
+        # inner stream is never opened (and nesting is never walked down, however deep)
+        return FileMeta(path, src.size, extension_format(path) or TORCH_ZIP,
+                        errors=("a gzip stream inside the gzip stream: the loader decompresses "
+                                "once, and torch.load cannot read what is left",))
     if fmt == UNKNOWN and head.startswith(APPLEDOUBLE_MAGIC) and _base(path).startswith("._"):
         # a cache-like name the walk keeps (a trainer listing by extension reads it); these
         # bytes are the resource fork Finder wrote, which no loader gets anything from

@@ -378,3 +378,23 @@ def test_a_tar_checksum_spelt_as_tarfile_still_reads_it(tmp_path, spelt):
     proves_torch_load(bad, marker)
     assert "builtins.open" in read_path(str(bad)).unsafe_globals
     assert_hostile_and_never_run(cache, bad, marker)
+
+
+@pytest.mark.parametrize("depth", [2, 3000])
+def test_a_gzip_inside_the_gzip_is_cd101_however_deep(tmp_path, depth):
+    """SimpleTuner gunzips a cache file once (LocalDataBackend._decompress_torch) and hands the
+    rest to torch.load, which reads no gzip: a nested stream is a broken entry, judged without
+    walking down the nesting (it used to be CD002, a RecursionError, at depth 3000)."""
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(4, 8, 8), buffer)
+    data = buffer.getvalue()
+    for _ in range(depth):
+        data = gzip.compress(data, compresslevel=1)
+    path = tmp_path / "cache" / "latent.pt"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    with pytest.raises(Exception):  # noqa: B017 (pickle's or torch's error, by version)
+        torch.load(io.BytesIO(gzip.decompress(data)), weights_only=True)
+    findings = scan_paths(path.parent).findings
+    assert [(f.code, f.path) for f in findings] == [("CD101", str(path))]
+    assert "inside the gzip" in findings[0].message
