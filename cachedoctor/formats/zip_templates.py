@@ -38,7 +38,7 @@ import struct
 
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.source import Window
-from cachedoctor.formats.torch_zip import READ_RECORDS, scanned
+from cachedoctor.formats.torch_zip import READ_RECORDS, STORAGE, scanned
 from cachedoctor.formats.zip_members import ascii_fold
 from cachedoctor.formats.zipdir import LOCAL, STORED, ZipDirectory, ZipEntry
 
@@ -295,10 +295,10 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
         if start < cursor or end > size:
             return None  # overlapping or out of range: not a layout to template
         cursor = end
-    # The payloads a read never looks at (storages) are skipped; every other byte decides.
+    # The payloads a read never looks at (storages: neither a record nor scanned) are skipped;
+    # every other byte decides.
     skipped = sorted((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
-                     if ascii_fold(e.name[cut:]) not in READ_RECORDS
-                     and e.compressed_size >= MIN_SKIPPED)
+                     if STORAGE.match(ascii_fold(e.name[cut:])) and e.compressed_size >= MIN_SKIPPED)
     spans, cursor = [], 0
     for start, end in skipped:
         if start > cursor:
