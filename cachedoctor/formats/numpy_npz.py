@@ -50,12 +50,13 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     globals_: dict[str, None] = {}
     unsafe_: dict[str, None] = {}
     seen: set[str] = set()
-    pickles = [0]  # bytes of object-array pickles read so far (MAX_PICKLE_TOTAL at most)
+    # the archive's pickles, object arrays and other members alike: one MAX_PICKLE_TOTAL budget
+    found = PickleScan()
     for entry in directory.entries:
         if entry.name in seen:
             notes.append(f"member '{entry.name}' appears twice: numpy reads the last one")
         seen.add(entry.name)
-        member = _read_member(src, entry, deep, pickles)
+        member = _read_member(src, entry, deep, found)
         notes += member.notes
         globals_.update(dict.fromkeys(member.globals))
         unsafe_.update(dict.fromkeys(member.unsafe))
@@ -72,7 +73,6 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     if directory.trailing_bytes:
         notes.append(f"{directory.trailing_bytes:,} bytes after the zip end record")
     # np.load hands such members back as bytes, but another tool may unpickle them
-    found = PickleScan()
     scan_members(src, [e for e in directory.entries if not e.name.endswith(".npy")], found)
     errors += found.errors
     globals_.update(found.unsafe)
@@ -93,7 +93,7 @@ def read(src: Source, path: str, deep: bool, directory: ZipDirectory) -> FileMet
     )
 
 
-def _read_member(src: Source, entry: ZipEntry, deep: bool, pickles: list[int]) -> _Member:
+def _read_member(src: Source, entry: ZipEntry, deep: bool, found: PickleScan) -> _Member:
     member = _Member()
     name = entry.name
     if not name.endswith(".npy"):
@@ -107,12 +107,12 @@ def _read_member(src: Source, entry: ZipEntry, deep: bool, pickles: list[int]) -
             # (each deflated member may inflate to PICKLE_READ: the archive's pickles together
             # are bounded as zip_members bounds them)
             want = min(entry.size, header.data_offset + npy.PICKLE_READ)
-            if pickles[0] + want > MAX_PICKLE_TOTAL:
+            if found.read + want > MAX_PICKLE_TOTAL:
                 member.error = (f"member '{name}' is an object array past the "
                                 f"{MAX_PICKLE_TOTAL // 2**20} MiB of pickles a scan reads in one "
                                 "archive: not checked")
                 return member
-            pickles[0] += want
+            found.read += want
             data = read_entry(src, entry, want)
     except (npy.NpyError, ZipError) as exc:  # DamagedEntry included
         if deep:
