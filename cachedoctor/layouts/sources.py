@@ -350,12 +350,17 @@ def _expand(value: str, defined: Mapping[str, str]) -> str:
     caller's environment, which a scan cannot know) stay as written."""
     if "$" not in value:
         return value
-
-    def name(match: re.Match[str]) -> str:
-        return defined.get(match.group(1) or match.group(2), match.group(0))
-
-    expanded = _REFERENCE.sub(name, value)
-    return expanded if len(expanded) <= EXPANDED_MAX else value
+    parts, length, cursor = [], 0, 0
+    for match in _REFERENCE.finditer(value):
+        part = value[cursor:match.start()] + defined.get(match.group(1) or match.group(2),
+                                                          match.group(0))
+        length += len(part)
+        if length > EXPANDED_MAX:  # stopped as it grows: a line of `$A`s must not fill memory
+            return value
+        parts.append(part)
+        cursor = match.end()
+    parts.append(value[cursor:])
+    return "".join(parts) if length + len(value) - cursor <= EXPANDED_MAX else value
 
 
 def _env(text: str, path: str) -> tuple[Any, dict[Path_, int]]:

@@ -178,3 +178,21 @@ def test_env_references_that_double_at_every_line_stay_bounded(tmp_path: Path) -
     env = tmp_path / "config.env"
     env.write_text("export A=xxxxxxxx\n" + "export A=$A$A\n" * 64)
     assert len(load(str(env), "env").data["A"]) <= EXPANDED_MAX
+
+
+def test_one_line_of_many_references_is_not_expanded_into_memory(tmp_path: Path) -> None:
+    """A hostile config.env line of 200,000 `$B`s, B a 4,000-character value: 800 MB once
+    expanded, 765 MiB at its peak when the expansion was built before its length was checked."""
+    import tracemalloc
+
+    from cachedoctor.layouts.sources import PARSERS
+
+    text = "export B=" + "x" * 4000 + "\nexport A=" + "$B" * 200_000 + "\n"
+    tracemalloc.start()  # (the parse alone: reading a config allocates its size cap at once)
+    try:
+        data, _ = PARSERS["env"](text, str(tmp_path / "config.env"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert data["A"] == "$B" * 200_000  # left as written, as any over-long expansion is
+    assert peak < 32 * 2**20
