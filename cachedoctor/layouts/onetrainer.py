@@ -65,7 +65,7 @@ from cachedoctor.layouts.entries import (
     most_common,
     only,
 )
-from cachedoctor.layouts.paths import canonical, resolve
+from cachedoctor.layouts.paths import canonical, resolve, under
 from cachedoctor.layouts.sources import ConfigFile
 from cachedoctor.layouts.sources import load as load_config
 
@@ -325,8 +325,7 @@ def _uncached(image_dirs: list[str], concept_caches: Mapping[str, list[str]],
     parents = {os.path.dirname(image) for samples in aggregates.values()
                for image, _ in samples if image is not None}
     return tuple(d for d in dict.fromkeys(image_dirs)
-                 if not concept_caches.get(d) and not any(
-                     p == d or p.startswith(d.rstrip(os.sep) + os.sep) for p in parents))
+                 if not concept_caches.get(d) and not any(under(p, d) for p in parents))
 
 
 def _group_aggregates(cache_dir: str, concept: dict) -> dict[str, list[str]]:
@@ -497,8 +496,7 @@ class _Directory(DirectoryNaming):
         self.naming = naming
         self.entries = naming.aggregates.get(path)
         self.in_variation = sample_folder(path)
-        self.pending = any(path == d or path.startswith(d.rstrip(os.sep) + os.sep)
-                           for d in naming.uncached)
+        self.pending = any(under(path, d) for d in naming.uncached)
 
     def image(self, name: str) -> tuple[str, bool] | None:
         if self.area != "images":
@@ -617,8 +615,7 @@ class _Entries(Entries):
     def _new_sample(self, image: str) -> str:
         """NEW_SAMPLE, naming the aggregate.pt files to move away where the concept's folders
         are known: without them mgds caches those folders again, this image included."""
-        folders = [a for d, found in self.naming.concept_caches.items()
-                   if os.path.dirname(image) == d or image.startswith(d.rstrip(os.sep) + os.sep)
+        folders = [a for d, found in self.naming.concept_caches.items() if under(image, d)
                    for a in found]
         if not folders:
             return NEW_SAMPLE

@@ -60,6 +60,11 @@ def canonical(path: str) -> str:
     return os.path.normcase(real).casefold() if case_insensitive(real) else os.path.normcase(real)
 
 
+def under(path: str, root: str) -> bool:
+    """Whether `path` is `root` or lies within it, as spelt (no link resolved)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def relation(a: str, b: str) -> str | None:
     """'same' when a and b are one directory, 'inside' when a lies within b, 'contains' when b
     lies within a, else None."""

@@ -66,7 +66,7 @@ from cachedoctor.layouts.base import (
 )
 from cachedoctor.layouts.common import Problems, listdir, parent_named, typed, working_dir
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
-from cachedoctor.layouts.paths import resolve
+from cachedoctor.layouts.paths import resolve, under
 from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
 from cachedoctor.regular_files import open_regular
@@ -547,7 +547,7 @@ def _image_dataset(backend: ConfigFile, entry: _Entry, g: _Globals, text_dirs: d
                                                            g.model_family, ident)
         vae_origin = Origin(backend.path, "cache_dir_vae", backend.line(i))
     cache_dir = join(entry.bucket, _key(os.path.relpath(vae, g.root) if os.path.isabs(vae) and
-                                        _under(vae, g.root) else vae)) \
+                                        under(vae, g.root) else vae)) \
         if entry.bucket else resolve(g.root, vae)
     compress, _ = compression[entry.id]
     # its VAE cache is read by its own backend, or by the `image_embeds` dataset it names
@@ -731,10 +731,6 @@ def _join(folder: str, name: str) -> str:
     return name if folder in ("", ".") else f"{folder}/{name}"
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 @dataclass(frozen=True)
 class SimpleTunerNaming(Naming):
     """SimpleTuner's cache naming: `<cache_dir_vae>/<sub>/<sha256(stem)>.pt`, `<sub>` the
@@ -775,8 +771,8 @@ class _Directory(DirectoryNaming):
     def __init__(self, naming: SimpleTunerNaming, path: str) -> None:
         super().__init__()
         self.naming, self.path = naming, path
-        self.in_images = _under(path, naming.image_root)
-        self.in_cache = _under(path, naming.cache_root)
+        self.in_images = under(path, naming.image_root)
+        self.in_cache = under(path, naming.cache_root)
         folder = path.replace(naming.instance_dir, "").lstrip(os.sep) if naming.instance_dir else ""
         self.image_folder = folder
         self.cache_folder = os.path.relpath(path, naming.cache_root) if self.in_cache else ""
@@ -822,7 +818,7 @@ class _Entries(Entries):
 
     def source(self, entry: str) -> str:
         naming = self.naming
-        if not _under(entry, naming.cache_root) or not entry.endswith(".pt"):
+        if not under(entry, naming.cache_root) or not entry.endswith(".pt"):
             raise NoSpec("not an entry of the dataset's VAE cache")
         rel = os.path.relpath(entry, naming.cache_root)[:-3]
         if not SHA256_NAME.match(os.path.basename(rel)):
