@@ -171,13 +171,19 @@ def project_root(path: str) -> str:
     package (simpletuner/examples/ since d93abfee2), the checkout, which its
     `simpletuner/examples/...` and `datasets/...` paths are relative to."""
     if parent_named(path, "config") is None:
-        examples = parent_named(path, "examples")
-        package = os.path.dirname(examples) if examples is not None else ""
-        checkout = os.path.dirname(package)
-        if os.path.basename(package) == "simpletuner" and os.path.isfile(
-                os.path.join(checkout, "pyproject.toml")):
+        examples = _shipped_examples(path)
+        checkout = os.path.dirname(os.path.dirname(examples)) if examples is not None else ""
+        if checkout and os.path.isfile(os.path.join(checkout, "pyproject.toml")):
             return checkout
     return working_dir(path, "config")
+
+
+def _shipped_examples(path: str) -> str | None:
+    """The `simpletuner/examples` folder (SimpleTuner's package's) that holds `path`, if one does."""
+    examples = parent_named(path, "examples")
+    if examples is None or os.path.basename(os.path.dirname(examples)) != "simpletuner":
+        return None
+    return examples
 
 
 EXAMPLES = "config/examples/"  # SimpleTuner's examples folder before it moved into the package
@@ -191,14 +197,13 @@ def backend_path(main: ConfigFile, root: str, named: str) -> str:
     (helpers/configuration/json_file.py _resolve_example_path); newer examples name it
     `simpletuner/examples/<x>`, from the checkout's root where they are run. Any other value,
     or one whose file is not there, is relative to the working dir."""
-    examples = parent_named(main.path, "examples")
-    package = os.path.dirname(examples) if examples is not None else ""
-    if os.path.basename(package) == "simpletuner":
+    examples = _shipped_examples(main.path)
+    if examples is not None:
         shipped = None
         if main.kind == "json" and named.startswith(EXAMPLES):
             shipped = resolve(examples, named[len(EXAMPLES):])
         elif named.startswith(PACKAGED):
-            shipped = resolve(os.path.dirname(package), named)
+            shipped = resolve(os.path.dirname(os.path.dirname(examples)), named)
         if shipped is not None and os.path.isfile(shipped):
             return shipped
     return resolve(root, named)
