@@ -278,20 +278,13 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
                 continue
             value = subset.get("image_dir")
             named = subset.get("metadata_file")
-            folders: list[str] = []
-            if isinstance(named, str) and named and "\0" not in named:
-                # a fine-tuning subset: image_dir is optional (config_util.py
-                # FineTuningSubsetParams), its metadata's absolute keys name the images
-                folders = _metadata_dirs(root, named, value, dataset_file.origin(
-                    *where, "metadata_file"), problems)
-                if value is None:
-                    flip = _flag("flip_aug", [subset, dataset, general, args],
-                                 [{k: dataset_file.origin(*where, k) for k in subset}, origins,
-                                  general_origins, arg_origins], problems)
-                    out.extend(_Subset(f, f, dataset_file.origin(*where, "metadata_file"),
-                                       buckets, flip) for f in folders)
-                    continue
-            if not isinstance(value, str) or not value or "\0" in value:  # no path holds a NUL
+            metadata = dataset_file.origin(*where, "metadata_file")
+            fine_tuning = isinstance(named, str) and named and "\0" not in named
+            # a fine-tuning subset: image_dir is optional (config_util.py
+            # FineTuningSubsetParams), its metadata's absolute keys name the images
+            folders = _metadata_dirs(root, named, value, metadata, problems) if fine_tuning else []
+            if not (fine_tuning and value is None) and (
+                    not isinstance(value, str) or not value or "\0" in value):  # no path holds a NUL
                 what = "has no image_dir" if value is None else f"has image_dir {value!r}"
                 problems.invalid(dataset_file.origin(*where, "image_dir") if value is not None
                                  else dataset_file.origin(*where),
@@ -301,11 +294,13 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
             flip = _flag("flip_aug", [subset, dataset, general, args],
                          [{k: dataset_file.origin(*where, k) for k in subset}, origins,
                           general_origins, arg_origins], problems)
-            out.append(_Subset(resolve(root, value), value, dataset_file.origin(*where, "image_dir"),
-                               buckets, flip))
-            own = os.path.realpath(resolve(root, value))
-            out.extend(_Subset(f, f, dataset_file.origin(*where, "metadata_file"), buckets, flip)
-                       for f in folders if os.path.realpath(f) != own)
+            own = None
+            if value is not None:
+                out.append(_Subset(resolve(root, value), value,
+                                   dataset_file.origin(*where, "image_dir"), buckets, flip))
+                own = os.path.realpath(resolve(root, value))
+            out.extend(_Subset(f, f, metadata, buckets, flip) for f in folders
+                       if os.path.realpath(f) != own)
     return out
 
 
@@ -615,8 +610,8 @@ def _fails(facts: CacheFacts, meta: FileMeta) -> bool:
 
 RESO_KEY = re.compile(r"^latents(_\d+x\d+)?$")  # `latents`, or multi-resolution `latents_<h>x<w>`
 SUFFIX = re.compile(r"_\d+x\d+$")  # a multi-resolution key's `_<h>x<w>`
-MADE = frozenset({"original_size", "crop_ltrb"})  # what an npz holds beside its latents
-LOADED_WITH = ("original_size", "crop_ltrb")  # read with every latent sd-scripts loads
+# what an npz holds beside its latents, which sd-scripts reads with every latent it loads
+MADE = ("original_size", "crop_ltrb")
 FLIPPED = "latents_flipped"  # with flip_aug: the latent of the image mirrored left to right
 
 
@@ -701,7 +696,7 @@ def lacking(arch: str | None, meta: FileMeta, expected: tuple[int, int] | None,
     held = {t.path[0] for t in meta.tensors if len(t.path) == 1}
     if flip_aug and FLIPPED + suffix not in held:
         return FLIPPED + suffix if skip_cache_check else None
-    return next((k + suffix for k in LOADED_WITH if k + suffix not in held), None)
+    return next((k + suffix for k in MADE if k + suffix not in held), None)
 
 
 class _Entries(Entries):
