@@ -40,8 +40,7 @@ def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
     if ctx.entry is not None and ctx.entry.area != "cache":
         return None
     origin = facts.origin("reads_gzip")
-    where = f" ({display_path(origin.file)}{f':{origin.line}' if origin.line else ''})" \
-        if origin else ""
+    where = f" ({display_path(str(origin))})" if origin else ""
     return RULE.finding(
         meta.path,
         f"gzip-compressed, but compress_cache is off for this dataset{where}: SimpleTuner "
