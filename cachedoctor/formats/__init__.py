@@ -107,10 +107,6 @@ SNIFF_BYTES = 4096  # what sniff() looks at, at most
 APPLEDOUBLE_MAGIC = b"\x00\x05\x16\x07"  # AppleDouble's magic number (RFC 1740)
 
 
-def _base(path: str) -> str:
-    return path[path.rfind(os.sep) + 1:]
-
-
 def _padded_safetensors(head: bytes, size: int) -> bool:
     """A safetensors header with JSON whitespace before its `{`, which safetensors' own parser
     (serde_json) accepts: a length that fits the file, then whitespace, then `{`."""
@@ -193,7 +189,7 @@ def read_source(src: Source, path: str, *, deep: bool = False, top: bool = True,
         return FileMeta(path, src.size, extension_format(path) or TORCH_ZIP,
                         errors=("a gzip stream inside the gzip stream: the loader decompresses "
                                 "once, and torch.load cannot read what is left",))
-    if fmt == UNKNOWN and head.startswith(APPLEDOUBLE_MAGIC) and _base(path).startswith("._"):
+    if fmt == UNKNOWN and head.startswith(APPLEDOUBLE_MAGIC) and os.path.basename(path).startswith("._"):
         # a cache-like name the walk keeps (a trainer listing by extension reads it); these
         # bytes are the resource fork Finder wrote, which no loader gets anything from
         return FileMeta(path, src.size, APPLEDOUBLE)
