@@ -272,7 +272,7 @@ def _read_zip(src: Source, path: str, deep: bool, templates: Templates | None) -
             plan = template.plans.get(records, _NO_PLAN)
             if plan is _NO_PLAN:  # what to read of its twins, worked out once
                 plan = template.plans[records] = torch_zip.twin_plan(
-                    src, twin, template.directory, template.records)
+                    src, twin, template.directory, template.constant)
             crcs = template.crcs(windows)
             whole = src.buffer
             if crcs is not None and plan is not None and whole is not None and \

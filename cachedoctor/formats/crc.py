@@ -14,11 +14,12 @@ import functools
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """zlib.crc32(data, value), by the fastest implementation installed."""
-    return _fastest()(data, value)
+    return fast()(data, value)
 
 
 @functools.cache
-def _fastest():
+def fast():
+    """The fastest crc32(data, value) installed, for a loop that takes many."""
     try:
         from zlib_ng.zlib_ng import crc32 as fast
     except ImportError:

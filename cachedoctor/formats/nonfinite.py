@@ -96,15 +96,33 @@ def holds_none(data: bytes | memoryview, offset: int, count: int, test: tuple,
     """Whether the `count` elements at byte `offset` of `data` are proven free of NaN/Inf by
     `test` (none_test's), in two reductions; with `zeros`, of exact zeros too (two more: +0 is
     the smallest unsigned view, -0 the smallest signed one). False says only: count them."""
-    from numpy import frombuffer, maximum, minimum
-
+    frombuffer, largest, smallest = _REDUCTIONS or _reductions()
     unsigned, signed, top, signed_top = test
     bits = frombuffer(data, unsigned, count, offset)
-    ints = bits.view(signed)  # (ufunc.reduce: ndarray.max adds a Python frame per call)
-    if maximum.reduce(bits) >= top or maximum.reduce(ints) >= signed_top:
+    ints = bits.view(signed)
+    if largest(bits) >= top or largest(ints) >= signed_top:
         return False
-    return not zeros or (minimum.reduce(bits) != 0 and
-                         minimum.reduce(ints) != -(1 << (8 * signed.itemsize - 1)))
+    return not zeros or (smallest(bits) != 0 and
+                         smallest(ints) != -(1 << (8 * signed.itemsize - 1)))
+
+
+# (numpy.frombuffer, maximum.reduce, minimum.reduce), bound on first use: holds_none runs once
+# per storage of every file, where a `from numpy import` per call and ndarray.max's Python
+# frame cost as much as a reduction
+_REDUCTIONS: tuple | None = None
+
+
+def preload() -> None:
+    """Import numpy now (a parent process about to fork --deep workers)."""
+    _REDUCTIONS or _reductions()
+
+
+def _reductions() -> tuple:
+    global _REDUCTIONS
+    from numpy import frombuffer, maximum, minimum
+
+    _REDUCTIONS = (frombuffer, maximum.reduce, minimum.reduce)
+    return _REDUCTIONS
 
 
 def _whole(flags, parts: int, combine) -> int:

@@ -124,8 +124,9 @@ class TwinPlan:
     # (data offset, size, dtype, tensor indices, their begins, their ends) per storage and dtype
     storages: tuple[tuple[int, int, str, tuple[int, ...], object, object], ...]
     big: bool
-    # clean(): the entries whose bytes are a twin's records (data.pkl, version, byteorder), equal in every
-    # twin, or empty: (their CRCs taken from a list of all, the CRCs their bytes have)
+    # clean(): the entries whose bytes are equal in every twin (its records: data.pkl, version,
+    # byteorder; the payloads its template spells out, such as .format_version) or empty:
+    # (their CRCs taken from a list of all, the CRCs their bytes have)
     fixed: tuple[operator.itemgetter | None, tuple[int, ...]] = (None, ())
     varying: tuple[tuple[int, int, int], ...] = ()  # (index, start, end): CRC32 read per file
     # per storage, nonfinite.none_test's proof of no NaN/Inf: (offset, count, test); None
@@ -134,10 +135,11 @@ class TwinPlan:
 
 
 def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory,
-              records: tuple[tuple[int, int], ...] | None = None) -> TwinPlan | None:
+              constant: tuple[tuple[int, int], ...] | None = None) -> TwinPlan | None:
     """The TwinPlan of `twin` (read from a file of `directory`'s layout, as `src` is), or None
     when the general path must read its twins (a deflated entry, a strided view). With the
-    template's `records` spans, the plan also serves clean()."""
+    template's `constant` spans (Template.constant: the payloads every twin holds alike),
+    the plan also serves clean()."""
 
     entries = directory.entries
     cut = entries[0].name.find("/") + 1
@@ -162,18 +164,18 @@ def twin_plan(src: Source, twin: FileMeta, directory: ZipDirectory,
     big = _Reader(src, "", True, directory)._big_endian(by_name)
     plan = TwinPlan(tuple((e.data_offset, e.size, e.name[cut:]) for e in entries),
                     tuple(storages), big)
-    if records is None:
+    if constant is None:
         return plan
-    return dataclasses.replace(plan, **_clean_plan(src, entries, records, storages, big))
+    return dataclasses.replace(plan, **_clean_plan(src, entries, constant, storages, big))
 
 
-def _clean_plan(src: Source, entries: tuple[ZipEntry, ...], records: tuple[tuple[int, int], ...],
+def _clean_plan(src: Source, entries: tuple[ZipEntry, ...], constant: tuple[tuple[int, int], ...],
                 storages: list, big: bool) -> dict:
     """clean()'s part of a TwinPlan."""
     fixed, actual, varying = [], [], []
     for i, e in enumerate(entries):
         start, end = e.data_offset, e.data_offset + e.size
-        if start == end or any(a <= start and end <= b for a, b in records):
+        if start == end or any(a <= start and end <= b for a, b in constant):
             fixed.append(i)  # the same bytes in every twin: their CRC is worked out once
             actual.append(checksum.crc32(src.pread(start, e.size)) if e.size else 0)
         else:
@@ -202,7 +204,7 @@ def clean(data: bytes, plan: TwinPlan, recorded: tuple[int, ...]) -> bool:
     getter, expected = plan.fixed
     if getter is not None and getter(recorded) != expected:
         return False
-    crc32, whole = checksum.crc32, memoryview(data)
+    crc32, whole = checksum.fast(), memoryview(data)
     for i, start, end in plan.varying:
         if crc32(whole[start:end]) != recorded[i]:
             return False

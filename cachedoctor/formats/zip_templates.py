@@ -47,16 +47,18 @@ MAX_PER_SIZE = 8
 MAX_TWINS = 64  # FileMetas kept per template (distinct data.pkl bytes)
 MIN_SKIPPED = 1024  # a payload shorter than this is read with its neighbours, not skipped
 DESCRIPTOR_SIG = b"PK\x07\x08"
+SERIALIZATION_ID = ".data/serialization_id"  # (A-Z folded, past the prefix)
 CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
 class Template:
-    __slots__ = ("_checks", "_crcs", "_records_end", "crc_offsets", "directory", "patterns",
-                 "plans", "records", "spans", "twins")
+    __slots__ = ("_checks", "_crcs", "_records_end", "constant", "crc_offsets", "directory",
+                 "patterns", "plans", "records", "spans", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
                  directory: ZipDirectory, records: tuple[tuple[int, int], ...],
-                 crc_offsets: tuple[int, ...] = ()) -> None:
+                 crc_offsets: tuple[int, ...] = (),
+                 spelt: tuple[tuple[int, int], ...] = ()) -> None:
         self.patterns = patterns  # (offset, length, pattern) of each span that decides a layout
         self.spans = tuple((at, n) for at, n, _ in patterns)
         # (and whether each names the prefix: Pattern.groupindex makes a new dict per call)
@@ -64,6 +66,9 @@ class Template:
         self._records_end = max((end for _, end in records), default=0)
         self.directory = directory
         self.records = records  # (start, end) in the file of each record the reader reads
+        # (start, end) of every payload the same in each file of the layout: a twin's records
+        # (its twins hold the same record bytes) and the payloads the patterns spell out
+        self.constant = records + spelt
         self.twins: dict[bytes, FileMeta] = {}  # by record_bytes(): a sound file's FileMeta
         self.crc_offsets = crc_offsets  # where each entry's CRC32 sits in the central directory
         self._crcs = _unpacker(crc_offsets)  # all of them in one unpack from a whole file
@@ -227,12 +232,13 @@ def _payload_kind(entry: ZipEntry, rest: str, windows: tuple[Window, ...]) -> st
     """How a template matches an entry's payload. "any" for the records the reader reads (a
     twin's are the same bytes: Template.twin compares them) and the storages (no read but
     --deep's looks at them, and it reads each twin's); the others the reader scans for a
-    pickle or an npy array (zip_members), so they are spelt out (None), but for a stored
-    run of digits such as torch's serialization_id, unique per save: "digits" then, as no
-    run of digits is either."""
+    pickle or an npy array (zip_members), so they are spelt out (None), but for torch's
+    serialization_id, a stored run of digits unique per save: "digits" then, as no run of
+    digits is either. (.format_version and .storage_alignment are digits too, but the same
+    in every file of one torch: spelt out, their CRC32s are worked out once per twin.)"""
     if not scanned(rest):
         return "any"
-    if entry.method == STORED and _bytes_at(
+    if rest == SERIALIZATION_ID and entry.method == STORED and _bytes_at(
             windows, entry.data_offset, entry.compressed_size).isdigit():
         return "digits"
     return None
@@ -266,6 +272,7 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
     prefix_len = slash  # the stem; the "/" after it stays literal
     cut = slash + 1
     holes: list[tuple[int, int, str]] = []  # (start, end, kind): "prefix", "any" or "digits"
+    spelt: list[tuple[int, int]] = []  # payloads matched byte for byte
     for e in directory.entries:
         holes.append((e.header_offset + LOCAL.size, e.header_offset + LOCAL.size + prefix_len,
                       "prefix"))
@@ -274,6 +281,8 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
         kind = _payload_kind(e, ascii_fold(e.name[cut:]), windows)
         if kind is not None:
             holes.append((e.data_offset, end, kind))  # the payload
+        else:
+            spelt.append((e.data_offset, end))
         # a data descriptor follows when flag bit 3 is set: [signature] CRC sizes
         flags = struct.unpack("<H", _bytes_at(windows, e.header_offset + 6, 2))[0]
         if flags & 0x08:
@@ -328,4 +337,4 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
     # (found as torch and the reader find them: A-Z folded, archive/BYTEORDER is the byteorder)
     records = tuple((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
                     if ascii_fold(e.name[cut:]) in READ_RECORDS)
-    return Template(tuple(patterns), directory, records, tuple(crc_offsets))
+    return Template(tuple(patterns), directory, records, tuple(crc_offsets), tuple(spelt))
