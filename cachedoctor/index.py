@@ -475,18 +475,31 @@ def _refuse_links(path: str, in_cache: bool) -> None:
 
 def _refuse_strangers(path: str, in_cache: bool) -> None:
     """An index is a list of verdicts that a rescan takes on trust: one that another user can
-    write (theirs, its WAL or shm file or its folder theirs, or writable by anyone) could call
-    a hostile file clean. Such an index is not used; the user's own place is."""
+    write (theirs, its WAL or shm file or its folder theirs, a file writable by its group or
+    a file or folder writable by anyone) could call a hostile file clean. Such an index is
+    not used; the user's own place is. (A folder its group can write is fine: a member could
+    only replace our files with theirs, which are refused.)"""
     me = os.geteuid()
-    names = (path, path + "-wal", path + "-shm")
-    for name in ((os.path.dirname(path),) if in_cache else ()) + names:
+    folder = (os.path.dirname(path),) if in_cache else ()
+    for name in (*folder, path, path + "-wal", path + "-shm"):
         try:
             st = os.stat(name)
         except FileNotFoundError:
             continue
-        if st.st_uid != me or st.st_mode & stat.S_IWOTH:
-            whose = f"owned by user {st.st_uid}" if st.st_uid != me else "writable by anyone"
+        others = stat.S_IWOTH if name in folder else stat.S_IWOTH | stat.S_IWGRP
+        if st.st_uid != me or st.st_mode & others:
+            whose = (f"owned by user {st.st_uid}" if st.st_uid != me else
+                     "writable by anyone" if st.st_mode & stat.S_IWOTH else "writable by its group")
             raise PermissionError(f"{name} is {whose}: its verdicts are not trusted")
+
+
+def _create_private(path: str) -> None:
+    """The index file, made readable and writable by its owner alone (SQLite gives its WAL and
+    shm files the same mode): under a umask of 002, as on many shared machines, SQLite would
+    make it writable by the group, whose members could then forge verdicts."""
+    # (FileExistsError: another scan made it first; _refuse_strangers judged it, or will)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
 
 
 def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
@@ -499,6 +512,7 @@ def _connect(path: str, in_cache: bool) -> sqlite3.Connection:
         raise PermissionError(f"{path}: not writable")
     if not os.access(folder, os.W_OK):  # WAL needs its -wal and -shm files beside it
         raise PermissionError(f"{folder}: not writable")
+    _create_private(path)
     db = sqlite3.connect(path, timeout=BUSY_MS / 1000, isolation_level=None,
                          check_same_thread=False)
     try:

@@ -262,7 +262,7 @@ def test_a_symlinked_state_dir_is_not_followed(demo: Path, tmp_path: Path, monke
     assert list(elsewhere.iterdir()) == []
 
 
-@pytest.mark.parametrize("stranger", ["world-writable", "another user's"])
+@pytest.mark.parametrize("stranger", ["world-writable", "group-writable", "another user's"])
 def test_an_index_another_user_can_write_is_not_trusted(demo: Path, tmp_path: Path, monkeypatch,
                                                          stranger: str) -> None:
     """A rescan takes the index's verdicts on trust: an index someone else can write could call a
@@ -273,6 +273,8 @@ def test_an_index_another_user_can_write_is_not_trusted(demo: Path, tmp_path: Pa
     theirs = demo / ".cachedoctor" / index.NAME
     if stranger == "world-writable":
         theirs.chmod(0o666)
+    elif stranger == "group-writable":
+        theirs.chmod(0o660)
     elif os.geteuid() == 0:
         os.chown(theirs, 12345, 12345)
     else:
@@ -283,6 +285,26 @@ def test_an_index_another_user_can_write_is_not_trusted(demo: Path, tmp_path: Pa
     assert again.index["location"].startswith(str(tmp_path / "state" / "index"))
     assert same(first, again, fresh(demo))
     assert theirs.read_bytes() == before
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX modes")
+def test_the_index_is_made_private_under_a_sharing_umask(demo: Path) -> None:
+    """Under umask 002 (shared machines) SQLite would make the index and its WAL writable by
+    the group, whose members could forge verdicts; it is made 0600 instead, and is used."""
+    old = os.umask(0o002)
+    try:
+        first = scan(demo)
+        db = sqlite3.connect(demo / ".cachedoctor" / index.NAME)  # (holds the WAL open)
+        db.execute("PRAGMA journal_mode = WAL").fetchone()
+        db.execute("SELECT count(*) FROM meta").fetchone()
+        made = [p for p in (demo / ".cachedoctor").iterdir() if p.name.startswith(index.NAME)]
+        modes = {p.name: p.stat().st_mode & 0o777 for p in made}
+        db.close()
+        again = scan(demo)
+    finally:
+        os.umask(old)
+    assert modes and all(mode == 0o600 for mode in modes.values()), modes
+    assert again.index["reused"] == recordable(demo) and same(first, again, fresh(demo))
 
 
 def test_no_index_and_rebuild_index(demo: Path) -> None:
