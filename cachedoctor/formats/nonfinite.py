@@ -11,6 +11,9 @@ imported on first use, so a default (metadata-only) scan never pays for its impo
 
 from __future__ import annotations
 
+import sys
+
+from cachedoctor.formats import native
 from cachedoctor.formats.source import Source, view
 
 CHUNK = 16 * 1024 * 1024  # bytes per read: bounds a worker's memory on a multi-GB tensor
@@ -74,10 +77,12 @@ def _count_bad(bits, dtype: str) -> int:
 
 def none_test(dtype: str, big_endian: bool = False) -> tuple | None:
     """_count_bad's proof that a block holds no NaN/Inf, prepared once for a plan that tests
-    many blocks of one dtype: (unsigned dtype, signed dtype, unsigned top, signed top). A block
-    `bits` (of the unsigned dtype) holds none when `bits.max() < unsigned top` and
-    `bits.view(signed dtype).max() < signed top`. None for the formats without a sign bit or
-    with a single NaN pattern, which _count_bad tests otherwise."""
+    many blocks of one dtype: (unsigned dtype, signed dtype, unsigned top, signed top, native
+    sign bit). A block `bits` (of the unsigned dtype) holds none when `bits.max() < unsigned
+    top` and `bits.view(signed dtype).max() < signed top`: no element's bits but its sign
+    reach the signed top (what the compiled test, native.py, checks in one pass; the sign bit
+    is 0 where the bytes are big-endian, which it leaves to numpy). None for the formats
+    without a sign bit or with a single NaN pattern, which _count_bad tests otherwise."""
     import numpy as np
 
     if dtype not in _TESTS:
@@ -87,8 +92,9 @@ def none_test(dtype: str, big_endian: bool = False) -> tuple | None:
     if sign >= 1 << (8 * int(code[1:])):
         return None  # (e8m0: no sign)
     order = ">" if big_endian else "<"
+    little = not big_endian or code == "u1"
     return (np.dtype(order + code), np.dtype(order + code.replace("u", "i")), sign | threshold,
-            threshold)
+            threshold, sign if little and sys.byteorder == "little" else 0)
 
 
 def holds_none(data: bytes | memoryview, offset: int, count: int, test: tuple,
@@ -96,8 +102,11 @@ def holds_none(data: bytes | memoryview, offset: int, count: int, test: tuple,
     """Whether the `count` elements at byte `offset` of `data` are proven free of NaN/Inf by
     `test` (none_test's), in two reductions; with `zeros`, of exact zeros too (two more: +0 is
     the smallest unsigned view, -0 the smallest signed one). False says only: count them."""
+    unsigned, signed, top, signed_top, sign = test
+    compiled = native.NATIVE
+    if compiled is not None and sign and not zeros:  # (one pass, in C)
+        return compiled.finite(data, offset, count, unsigned.itemsize, sign, signed_top)
     frombuffer, largest, smallest = _REDUCTIONS or _reductions()
-    unsigned, signed, top, signed_top = test
     bits = frombuffer(data, unsigned, count, offset)
     ints = bits.view(signed)
     if largest(bits) >= top or largest(ints) >= signed_top:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 import struct
 
+from cachedoctor.formats import native
 from cachedoctor.formats.meta import FileMeta
 from cachedoctor.formats.source import Window
 from cachedoctor.formats.torch_zip import READ_RECORDS, STORAGE, scanned
@@ -51,18 +52,30 @@ SERIALIZATION_ID = ".data/serialization_id"  # (A-Z folded, past the prefix)
 CD_FIXED = 46  # central-directory entry header size; its name follows
 
 
+# A span's checks for the compiled matcher (native.py): (the span's bytes with every hole
+# zeroed, a mask of 0xff where a byte must be the literal's and 0 in the holes, the offsets in
+# the span of the prefix holes, the prefix's length, the (start, end) runs of digits)
+SpanMask = tuple[bytes, bytes, tuple[int, ...], int, tuple[tuple[int, int], ...]]
+
+
 class Template:
-    __slots__ = ("_checks", "_crcs", "_records_end", "constant", "crc_offsets", "directory",
-                 "patterns", "plans", "records", "spans", "twins")
+    __slots__ = ("_checks", "_compiled", "_crcs", "_records_end", "constant", "crc_offsets",
+                 "directory", "patterns", "plans", "records", "spans", "twins")
 
     def __init__(self, patterns: tuple[tuple[int, int, re.Pattern[bytes]], ...],
                  directory: ZipDirectory, records: tuple[tuple[int, int], ...],
                  crc_offsets: tuple[int, ...] = (),
-                 spelt: tuple[tuple[int, int], ...] = ()) -> None:
+                 spelt: tuple[tuple[int, int], ...] = (),
+                 masks: tuple[SpanMask, ...] | None = None) -> None:
         self.patterns = patterns  # (offset, length, pattern) of each span that decides a layout
         self.spans = tuple((at, n) for at, n, _ in patterns)
         # (and whether each names the prefix: Pattern.groupindex makes a new dict per call)
         self._checks = tuple((at, n, p, "prefix" in p.groupindex) for at, n, p in patterns)
+        # the same checks for the compiled matcher (native.py), which does what the patterns
+        # do in one pass over each span: (offset, length, SpanMask, whether it names the prefix)
+        compiled = native.NATIVE
+        self._compiled = None if compiled is None or masks is None else (compiled.span, tuple(
+            (at, n, mask, bool(mask[2])) for (at, n, _), mask in zip(patterns, masks, strict=True)))
         self._records_end = max((end for _, end in records), default=0)
         self.directory = directory
         self.records = records  # (start, end) in the file of each record the reader reads
@@ -77,6 +90,8 @@ class Template:
     def prefix(self, windows: tuple[Window, ...]) -> str | None:
         """This file's archive prefix if the bytes in `windows` match the layout, else None
         (None too when the windows miss a span)."""
+        if self._compiled is not None:
+            return self._compiled_prefix(windows)
         prefix = None
         for at, n, pattern, named in self._checks:
             data, base = _holding(windows, at, n)
@@ -90,6 +105,20 @@ class Template:
                 if prefix is not None and own != prefix:
                     return None
                 prefix = own
+        return None if prefix is None else prefix.decode("utf-8", "replace")
+
+    def _compiled_prefix(self, windows: tuple[Window, ...]) -> str | None:
+        span, checks = self._compiled
+        prefix = None
+        for at, n, (literal, mask, prefixes, length, digits), named in checks:
+            data, base = _holding(windows, at, n)
+            if data is None:
+                return None
+            found = span(data, at - base, literal, mask, prefixes, length, digits, prefix)
+            if found is None:
+                return None
+            if named:
+                prefix = found
         return None if prefix is None else prefix.decode("utf-8", "replace")
 
     def record_bytes(self, windows: tuple[Window, ...]) -> bytes:
@@ -315,10 +344,11 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
         cursor = max(cursor, end)
     if cursor < size:
         spans.append((cursor, size - cursor))
-    patterns = []
+    patterns, masks = [], []
     for at, n in spans:
         data = _bytes_at(windows, at, n)  # every byte of a span is known, or no template
         parts, cursor, named = [], at, False
+        literal, mask, prefixes, digits = bytearray(data), bytearray(b"\xff" * n), [], []
         for start, end, kind in holes:
             if end <= at or start >= at + n:
                 continue
@@ -326,15 +356,21 @@ def _make(size: int, windows: tuple[Window, ...], directory: ZipDirectory) -> Te
                 return None
             start, end = max(start, at), min(end, at + n)
             parts.append(re.escape(data[cursor - at : start - at]))
+            literal[start - at : end - at] = mask[start - at : end - at] = bytes(end - start)
             if kind == "prefix":
                 parts.append(b"(?P=prefix)" if named else b"(?P<prefix>[^/]{%d})" % prefix_len)
                 named = True
+                prefixes.append(start - at)
             elif end > start:
                 parts.append((b"[0-9]{%d}" if kind == "digits" else b".{%d}") % (end - start))
+                if kind == "digits":
+                    digits.append((start - at, end - at))
             cursor = end
         parts.append(re.escape(data[cursor - at :]))
         patterns.append((at, n, re.compile(b"".join(parts), re.DOTALL)))
+        masks.append((bytes(literal), bytes(mask), tuple(prefixes), prefix_len, tuple(digits)))
     # (found as torch and the reader find them: A-Z folded, archive/BYTEORDER is the byteorder)
     records = tuple((e.data_offset, e.data_offset + e.compressed_size) for e in directory.entries
                     if ascii_fold(e.name[cut:]) in READ_RECORDS)
-    return Template(tuple(patterns), directory, records, tuple(crc_offsets), tuple(spelt))
+    return Template(tuple(patterns), directory, records, tuple(crc_offsets), tuple(spelt),
+                    tuple(masks))

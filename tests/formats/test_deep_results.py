@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from cachedoctor.formats import crc, nonfinite, read_path, source, zipdir
+from cachedoctor.formats import crc, native, nonfinite, read_path, source, zipdir
 from cachedoctor.formats.nonfinite import FLOAT_DTYPES, Counter, count_nonfinite, count_values_at
 from cachedoctor.formats.source import BytesSource
 from cachedoctor.formats.zip_templates import Templates
@@ -49,6 +49,16 @@ def special_values(dtype: torch.dtype, n: int = 10_000) -> torch.Tensor:
 
 
 DTYPES = [torch.float16, torch.bfloat16, *EIGHT_BIT.values()]
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def checks(request, monkeypatch):
+    """Every test here twice: with the compiled checks (native.py), where they were built, and
+    with the Python ones every install has."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "NATIVE", None)
+    elif native.NATIVE is None:
+        pytest.skip("the C checks were not built here")
 
 
 @pytest.fixture(params=[None, 1000], ids=["chunks", "small-chunks"])
