@@ -8,6 +8,7 @@ is present and goes on without them where none is; CACHEDOCTOR_NO_NATIVE=1 turns
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -15,11 +16,10 @@ from types import ModuleType
 def _load() -> ModuleType | None:
     if os.environ.get("CACHEDOCTOR_NO_NATIVE"):
         return None
-    try:
-        from cachedoctor.formats import _native
+    try:  # (by name: the package's __init__ imports the readers that import this module)
+        return importlib.import_module("cachedoctor.formats._native")
     except ImportError:
         return None
-    return _native
 
 
 NATIVE = _load()
