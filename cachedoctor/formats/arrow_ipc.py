@@ -322,6 +322,8 @@ def check_schema_message(data: bytes, found: Extensions) -> None:
     """check_schema for an encapsulated IPC message holding a Schema (what pyarrow's
     ipc::SerializeSchema writes: continuation, int32 length, flatbuffer; before Arrow 0.15
     without the continuation). Raises ArrowError if it is none."""
+    if len(data) < 8:
+        raise ArrowError(f"its schema message is {len(data)} bytes long: cut short")
     try:
         if data[:4] == CONTINUATION:
             length, start = _I32.unpack_from(data, 4)[0], 8
@@ -329,7 +331,7 @@ def check_schema_message(data: bytes, found: Extensions) -> None:
             length, start = _I32.unpack_from(data)[0], 4
         if length <= 0 or start + length > len(data):
             raise ArrowError(f"its message declares {length:,} metadata bytes; "
-                             f"{len(data) - start:,} are there")
+                             f"{len(data) - start:,} remain: cut short")
         buf = data[start:start + length]
         table = _table(buf, _U32.unpack_from(buf)[0])
         if _field(buf, table, 1, "<B", 0) != SCHEMA:

@@ -89,8 +89,9 @@ def _check_arrow_schema(meta: dict, found: Extensions) -> None:
         if not isinstance(pair, dict) or pair.get(1) != ARROW_SCHEMA:
             continue
         value = pair.get(2)
-        # as arrow's own base64_decode (cpp/src/arrow/vendored/base64.cpp): up to the first
-        # byte outside the alphabet or '='; a last group of one character makes no byte
+        # as arrow's own base64_decode did until 2026 (cpp/src/arrow/vendored/base64.cpp, before
+        # GH-49614 made it strict): up to the first byte outside the alphabet or '='; a last
+        # group of one character makes no byte. The lenient reading finds what old pyarrow reads.
         text = _BASE64.match(value).group() if isinstance(value, bytes) else b""
         text = text[:len(text) - (len(text) % 4 == 1)]
         try:
