@@ -26,7 +26,7 @@ CONTINUATION = b"\xff\xff\xff\xff"
 SCHEMA, DICTIONARY_BATCH, RECORD_BATCH = 1, 2, 3
 HEADERS = {1: "schema", 2: "dictionary batch", 3: "record batch", 4: "tensor", 5: "sparse tensor"}
 MAX_MESSAGES = 1_000_000  # a hostile file of empty messages must not take minutes
-_I32, _U32 = struct.Struct("<i"), struct.Struct("<I")
+_I32, _U32, _U16 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<H")
 
 
 class ArrowError(ValueError):
@@ -223,7 +223,7 @@ def _check_buffers(buf: bytes, batch: int, body: int) -> None:
 # removed the type. The file loads on those, so a reader with an older pyarrow is the victim.
 PY_EXTENSION_TYPE = b"arrow.py_extension_type"
 _NAME_KEY, _METADATA_KEY = b"ARROW:extension:name", b"ARROW:extension:metadata"
-MAX_SCHEMA_ITEMS = 200_000  # fields and key/value pairs walked in one schema (shared tables recur)
+MAX_SCHEMA_ITEMS = 200_000  # fields and key/value pairs walked in a file (shared tables recur)
 MAX_FIELD_DEPTH = 64  # nested fields; pyarrow's flatbuffer verifier stops at 128 tables deep
 MAX_EXTENSION_PICKLES = 1_000  # distinct pickles of such fields read in one file
 _SHOWN = 8  # fields named one by one in the errors
@@ -233,18 +233,18 @@ _SHOWN = 8  # fields named one by one in the errors
 class Extensions:
     """What the schemas of one file hold of pyarrow's pickled extension type: the globals its
     pickles name, and an error for each such field that names none outside the allow-list or
-    cannot be read. Readers fill one per file and copy it into the FileMeta."""
+    cannot be read. Readers fill one per file (its schemas share its budgets) and copy it into
+    the FileMeta."""
 
     globals: dict[str, None] = field(default_factory=dict)
     unsafe: dict[str, None] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    fields: int = 0  # PyExtensionType fields found
+    errors: dict[str, None] = field(default_factory=dict)  # a file's footer repeats its schema
+    items_left: int = MAX_SCHEMA_ITEMS
     pickle_bytes: int = 0  # read so far, against MAX_PICKLE_BYTES
     _seen: dict[bytes, str | None] = field(default_factory=dict)  # pickle -> its problem, if any
 
     def check(self, where: str, pickled: bytes) -> None:
         """Judge the pickle of the PyExtensionType field at `where` (a dotted path)."""
-        self.fields += 1
         if pickled in self._seen:
             problem = self._seen[pickled]
         elif len(self._seen) >= MAX_EXTENSION_PICKLES or \
@@ -257,12 +257,12 @@ class Extensions:
         if problem is None:
             return
         if len(self.errors) == _SHOWN:
-            self.errors.append("more fields of pyarrow's pickled extension type follow")
+            self.errors["more fields of pyarrow's pickled extension type follow"] = None
         elif len(self.errors) < _SHOWN:
-            self.errors.append(
+            self.errors[
                 f"field '{where}' has pyarrow's pickled extension type (arrow.py_extension_type),"
                 f" which pyarrow before 14.0.1 unpickles as it reads the file (CVE-2023-47248): "
-                f"{problem}")
+                f"{problem}"] = None
 
     def _read(self, pickled: bytes) -> str | None:
         """None if the pickle names a global outside the allow-list (CD105 says so); else why
@@ -277,7 +277,8 @@ class Extensions:
             return None
         # pyarrow pickles the PyExtensionType subclass itself, so its class is always named: a
         # pickle naming none was not written by pyarrow (crafted or damaged). Reported though it
-        # runs nothing harmful today: pyarrow < 14.0.1 fails on it, and it is a payload's slot.
+        # runs nothing harmful: pyarrow < 14.0.1 unpickles it and then fails on the column
+        # (the object has no storage_type), and a file that holds one is a payload's carrier.
         return ("its pickle names no extension type class, so pyarrow did not write it (pyarrow "
                 "< 14.0.1 unpickles it and then fails)")
 
@@ -291,20 +292,22 @@ def check_schema(buf: bytes, schema: int, found: Extensions) -> None:
     have pyarrow's pickled extension type, at any depth, and judge their pickles. Raises
     IndexError (damaged) or ArrowError (past a budget)."""
     _table(buf, schema)
-    budget = [MAX_SCHEMA_ITEMS]  # vectors may share tables: the walk is bounded, not the bytes
-    stack = [(table, "", 0) for table in reversed(_tables(buf, schema, 1, budget))]
+    # (field table, depth, parent's entry): names are read only for a field that is reported
+    stack: list[tuple[int, int, tuple | None]] = [
+        (table, 0, None) for table in reversed(_tables(buf, schema, 1, found))]
+    seen: set[int] = set()  # vectors may share a table: a few KiB could nest 100**4 fields
     while stack:
-        table, parent, depth = stack.pop()
+        entry = stack.pop()
+        table, depth, _ = entry
+        if table in seen:
+            continue  # (offsets only point forward: no cycles, and each table is read once)
+        seen.add(table)
         if depth > MAX_FIELD_DEPTH:
             raise ArrowError(f"Arrow schema nests fields more than {MAX_FIELD_DEPTH} deep: "
                              "not checked")
-        _table(buf, table)
-        # Field: 0 name, 1 nullable, 2 type_type, 3 type, 4 dictionary, 5 children,
-        # 6 custom_metadata (KeyValue: 0 key, 1 value)
-        name = _string(buf, table, 0) or b""
-        where = (parent + "." if parent else "") + name[:40].decode("utf-8", "replace")
+        children, pairs = _field_vectors(buf, table, found)
         py_extension, pickles = False, []
-        for pair in _tables(buf, table, 6, budget):
+        for pair in pairs:
             _table(buf, pair)
             key = _string(buf, pair, 0)
             if key == _NAME_KEY:
@@ -312,10 +315,50 @@ def check_schema(buf: bytes, schema: int, found: Extensions) -> None:
             elif key == _METADATA_KEY:
                 pickles.append(_string(buf, pair, 1) or b"")
         if py_extension:  # pyarrow unpickles the first metadata value; a payload may sit in any
+            where = _path(buf, entry)
             for pickled in pickles or [b""]:
-                found.check(where[:160], pickled)
-        stack.extend((child, where, depth + 1)
-                     for child in reversed(_tables(buf, table, 5, budget)))
+                found.check(where, pickled)
+        stack.extend((child, depth + 1, entry) for child in reversed(children))
+
+
+def _field_vectors(buf: bytes, table: int, found: Extensions) -> tuple[list[int], list[int]]:
+    """The children and the custom_metadata (KeyValue tables: 0 key, 1 value) of the Field at
+    `table` (Schema.fbs Field: 0 name, 1 nullable, 2 type_type, 3 type, 4 dictionary,
+    5 children, 6 custom_metadata), its vtable read once: a wide schema has many fields."""
+    _table(buf, table)
+    vtable = table - _I32.unpack_from(buf, table)[0]
+    slots = min(7, (_U16.unpack_from(buf, vtable)[0] - 4) // 2)
+    present = struct.unpack_from(f"<{max(slots, 0)}H", buf, vtable + 4) + (0,) * 7
+    out = []
+    for slot in present[5:7]:
+        if not slot:
+            out.append([])
+            continue
+        at = table + slot
+        first = at + _U32.unpack_from(buf, at)[0] + 4
+        count = _U32.unpack_from(buf, first - 4)[0]
+        if count > (len(buf) - first) // 4:
+            raise IndexError(f"a vector of {count:,} tables does not fit in the metadata")
+        _spend(found, count)
+        out.append([first + 4 * i + o
+                    for i, o in enumerate(struct.unpack_from(f"<{count}I", buf, first))])
+    return out[0], out[1]
+
+
+def _spend(found: Extensions, count: int) -> None:
+    found.items_left -= count
+    if found.items_left < 0:
+        raise ArrowError(f"Arrow schemas with more than {MAX_SCHEMA_ITEMS:,} fields and "
+                         "key/value pairs in all: not checked")
+
+
+def _path(buf: bytes, entry: tuple | None) -> str:
+    """The dotted names of a field and its parents (each cut to 40 characters)."""
+    names = []
+    while entry is not None:
+        names.append((_string(buf, entry[0], 0) or b"")[:40].decode("utf-8", "replace"))
+        entry = entry[2]
+    return ".".join(reversed(names))[:160]
 
 
 def check_schema_message(data: bytes, found: Extensions) -> None:
@@ -352,16 +395,13 @@ def _vector(buf: bytes, table: int, index: int) -> tuple[int, int]:
     return at + 4, _U32.unpack_from(buf, at)[0]
 
 
-def _tables(buf: bytes, table: int, index: int, budget: list[int]) -> list[int]:
+def _tables(buf: bytes, table: int, index: int, found: Extensions) -> list[int]:
     """The tables a vector of tables in field `index` points to (unchecked), counted against
-    budget[0]."""
+    the file's budget."""
     first, count = _vector(buf, table, index)
     if count > (len(buf) - first) // 4:
         raise IndexError(f"a vector of {count:,} tables does not fit in the metadata")
-    budget[0] -= count
-    if budget[0] < 0:
-        raise ArrowError(f"Arrow schema with more than {MAX_SCHEMA_ITEMS:,} fields and "
-                         "key/value pairs: not checked")
+    _spend(found, count)
     return [first + 4 * i + _U32.unpack_from(buf, first + 4 * i)[0] for i in range(count)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 import time
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def test_ordinary_extension_types_draw_nothing(tmp_path: Path, name: str) -> Non
     (b"\xde\xad\xbe\xef" * 8, "cannot be checked", {"CD101"}),
     (b"", "cannot be checked (there is no pickle data)", {"CD101"}),
     (pickle.dumps({"storage": 5}), "names no extension type class", {"CD101"}),
-])
+], ids=["cut", "garbage", "empty", "no-class"])
 @pytest.mark.parametrize("name", sorted(WRITERS))
 def test_a_pickle_that_is_damaged_or_names_no_class_is_still_reported(
         tmp_path: Path, name: str, payload: bytes, says: str, codes: set[str]) -> None:
@@ -180,6 +181,8 @@ def test_a_pickle_that_is_damaged_or_names_no_class_is_still_reported(
     message = by_code["CD101"]["message"]
     assert "field 'meta.latent_scale'" in message and "arrow.py_extension_type" in message
     assert "CVE-2023-47248" in message and says in message
+    assert by_code["CD101"]["details"]["errors"] == [message]  # once, though a file's footer
+    # repeats its schema
     assert set(by_code) == codes
 
 
@@ -214,3 +217,65 @@ def test_many_fields_are_bounded() -> None:
     assert time.perf_counter() - started < 5
     assert meta.unsafe_globals == (SYSTEM,)
     assert "was not read" in meta.errors[0] and len(meta.errors) == 9
+
+
+def _fields_message(width: int, depth: int, shared: bool) -> bytes:
+    """A schema message written by hand: a fields vector of `width` offsets, to one field
+    (`shared`) or to `width` fields, the first of which holds the next level's vector,
+    `depth` levels down. Flatbuffers let tables be shared: 100**4 fields in 2 KiB."""
+    buf = bytearray(4)  # the root offset
+
+    def table(slots: list[int], size: int) -> int:
+        vtable = len(buf)
+        buf.extend(struct.pack(f"<HH{len(slots)}H", 4 + 2 * len(slots), size, *slots))
+        buf.extend(bytes(-len(buf) % 4))
+        at = len(buf)
+        buf.extend(struct.pack("<i", at - vtable) + bytes(size - 4))
+        return at
+
+    def point(at: int, target: int) -> None:
+        struct.pack_into("<I", buf, at, target - at)
+
+    message = table([0, 4, 8], 12)  # Message: 1 header_type, 2 header
+    point(0, message)
+    buf[message + 4] = 1  # a Schema
+    schema = table([0, 4], 8)  # Schema: 1 fields
+    point(message + 8, schema)
+    slot = schema + 4
+    for _ in range(depth):
+        vector = len(buf)
+        buf.extend(struct.pack("<I", width) + bytes(4 * width))
+        point(slot, vector)
+        fields = [table([0, 0, 0, 0, 0, 4], 8)]  # Field: 5 children
+        fields += [fields[0] if shared else table([], 4) for _ in range(width - 1)]
+        for i, field in enumerate(fields):
+            point(vector + 4 + 4 * i, field)
+        slot = fields[0] + 4
+    vector = len(buf)
+    buf.extend(bytes(4))  # the last level's children: none
+    point(slot, vector)
+    buf.extend(bytes(-len(buf) % 8))
+    return b"\xff\xff\xff\xff" + struct.pack("<i", len(buf)) + bytes(buf)
+
+
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def test_a_shared_field_is_walked_once() -> None:
+    data = _fields_message(100, 4, shared=True) + END_OF_STREAM
+    assert len(data) < 4096
+    started = time.perf_counter()
+    meta = read_bytes(data, "shared.arrow")
+    assert time.perf_counter() - started < 1
+    assert meta.errors == () and meta.metadata["record_batches"] == "0"
+
+
+def test_the_fields_of_a_file_s_schemas_share_one_budget() -> None:
+    """Three schema messages of 70,000 fields each: past 200,000 fields and key/value pairs in
+    one file its schemas are not checked (each under it, they would all be walked)."""
+    data = _fields_message(70_000, 1, shared=False) * 3 + END_OF_STREAM
+    started = time.perf_counter()
+    meta = read_bytes(data, "wide.arrow")
+    assert time.perf_counter() - started < 10
+    (error,) = meta.errors
+    assert "more than 200,000 fields and key/value pairs in all: not checked" in error
