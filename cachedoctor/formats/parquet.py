@@ -69,9 +69,10 @@ def _footer(src: Source, found: Extensions) -> dict[str, str]:
     except (IndexError, struct.error, RecursionError, ValueError) as exc:
         raise ParquetError(f"Parquet footer ({length:,} bytes at {start:,}) is damaged: "
                            f"{exc or type(exc).__name__}") from None
-    facts = _facts(meta, start)
+    # the schema first: pyarrow reads it on opening the file (pq.read_schema, ParquetFile),
+    # before any row group is looked at, so a damaged one does not keep its fields unread
     _check_arrow_schema(meta, found)
-    return facts
+    return _facts(meta, start)
 
 
 ARROW_SCHEMA = b"ARROW:schema"

@@ -279,3 +279,14 @@ def test_the_fields_of_a_file_s_schemas_share_one_budget() -> None:
     assert time.perf_counter() - started < 10
     (error,) = meta.errors
     assert "more than 200,000 fields and key/value pairs in all: not checked" in error
+
+
+def test_a_parquet_file_with_damaged_row_groups_still_has_its_schema_read() -> None:
+    """pyarrow unpickles when it opens the file (pq.read_schema), before any row group is
+    read: a footer whose column chunks lie past the data still has its payload found."""
+    data = parquet(top_level(hostile()))
+    cut = data[:4] + data[20:]  # the column chunks now run into the footer
+    meta = read_bytes(cut, "e.parquet")
+    assert meta.unsafe_globals == (SYSTEM,)
+    (error,) = meta.errors
+    assert "outside the data before the footer" in error
