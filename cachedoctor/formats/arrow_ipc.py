@@ -10,6 +10,10 @@ format wraps the stream in `ARROW1\\0\\0` ... footer, int32 footer length, `ARRO
 pyarrow reads a stream that stops at a message boundary without complaint: a cache cut there
 loads with rows missing. The end-of-stream marker that `close()` writes is what tells the two
 apart, so a stream without it is an error here.
+
+The schema's fields (and a file footer's copy of them) are walked for pyarrow's pickled
+extension type, whose pickle old pyarrow runs on reading (CVE-2023-47248, below); the Parquet
+reader hands the Arrow schema it finds in a footer to the same walk.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Only the footer is read, without pyarrow: `PAR1`, the column chunks, the file me
 Thrift compact-protocol `FileMetaData`), its int32 length and `PAR1` again. The footer is
 written last, so a file cut short has no closing magic; a footer whose row groups point past
 its own start, or whose row counts disagree, is damaged. `PARE` closes a file with an
-encrypted footer, which is taken as it is.
+encrypted footer, which is taken as it is. The Arrow schema pyarrow keeps in the footer
+(`ARROW:schema`) is checked for pyarrow's pickled extension type (arrow_ipc.check_schema).
 """
 
 from __future__ import annotations
