@@ -228,7 +228,7 @@ def _check_buffers(buf: bytes, batch: int, body: int) -> None:
 PY_EXTENSION_TYPE = b"arrow.py_extension_type"
 _NAME_KEY, _METADATA_KEY = b"ARROW:extension:name", b"ARROW:extension:metadata"
 MAX_SCHEMA_ITEMS = 200_000  # fields and key/value pairs walked in a file (shared tables recur)
-MAX_FIELD_DEPTH = 64  # nested fields; pyarrow's flatbuffer verifier stops at 128 tables deep
+MAX_FIELD_DEPTH = 64  # nested fields: arrow ipc/options.h kMaxNestingDepth; its verifier: 128 tables
 MAX_EXTENSION_PICKLES = 1_000  # distinct pickles of such fields read in one file
 _SHOWN = 8  # fields named one by one in the errors
 
