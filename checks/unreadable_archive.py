@@ -9,6 +9,8 @@ Reports a cache file that cannot be parsed as its format:
 - a gzip stream that ends before its end marker;
 - an Arrow stream (a 🤗 datasets cache) cut inside a message or without its end-of-stream
   marker;
+- an Arrow or Parquet field of pyarrow's pickled extension type (`arrow.py_extension_type`)
+  whose pickle cannot be checked or names no class, which pyarrow before 14.0.1 unpickles;
 - a file of zeros where a cache file should be.
 
 ## Why is this bad?

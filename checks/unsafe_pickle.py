@@ -1,16 +1,18 @@
 """## What it does
-Reports a pickle (inside a torch zip, a gzip-wrapped or legacy torch file, a plain `.pkl`, or
-an npz object array) that names a global outside the tensor allow-list that
+Reports a pickle (inside a torch zip, a gzip-wrapped or legacy torch file, a plain `.pkl`, an
+npz object array, or the field metadata of pyarrow's pickled extension type in an Arrow or
+Parquet file) that names a global outside the tensor allow-list that
 `torch.load(weights_only=True)` accepts. The file is read by a restricted unpickler that
 imports nothing and runs nothing; the globals are listed, never resolved.
 
 ## Why is this bad?
 Unpickling runs code: a `__reduce__` naming `os.system` or `builtins.exec` executes when a
 trainer calls `torch.load(..., weights_only=False)` (OneTrainer's cache loader does) or
-`np.load(..., allow_pickle=True)`. A cache downloaded from someone else, or a shared cache dir
-on a multi-user box, can carry one. Files that merely hold numpy arrays or custom classes are
-reported too: `weights_only=True` refuses them (`Unsupported global`), which breaks trainers
-that load safely.
+`np.load(..., allow_pickle=True)`, or when pyarrow before 14.0.1 reads the schema of an Arrow
+or Parquet file (CVE-2023-47248: a field whose extension name is `arrow.py_extension_type`).
+A cache downloaded from someone else, or a shared cache dir on a multi-user box, can carry one.
+Files that merely hold numpy arrays or custom classes are reported too: `weights_only=True`
+refuses them (`Unsupported global`), which breaks trainers that load safely.
 
 One class is by design where it is found: OneTrainer before 2024-07-14 (Nerogar/OneTrainer
 474dd2c6, mgds 5ea389a) cached the VAE's output as it came, a diffusers

@@ -7,13 +7,18 @@ Only the footer is read, without pyarrow: `PAR1`, the column chunks, the file me
 Thrift compact-protocol `FileMetaData`), its int32 length and `PAR1` again. The footer is
 written last, so a file cut short has no closing magic; a footer whose row groups point past
 its own start, or whose row counts disagree, is damaged. `PARE` closes a file with an
-encrypted footer, which is taken as it is.
+encrypted footer, which is taken as it is. The Arrow schema pyarrow keeps in the footer
+(`ARROW:schema`) is checked for pyarrow's pickled extension type (arrow_ipc.check_schema).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 import struct
 
+from cachedoctor.formats.arrow_ipc import ArrowError, Extensions, check_schema_message
 from cachedoctor.formats.meta import PARQUET, FileMeta
 from cachedoctor.formats.source import Source
 
@@ -34,14 +39,18 @@ def sniff(head: bytes) -> bool:
 
 
 def read(src: Source, path: str, deep: bool = False) -> FileMeta:
+    found = Extensions()
     try:
-        facts = _footer(src)
+        facts, errors = _footer(src, found), ()
     except ParquetError as exc:
-        return FileMeta(path, src.size, PARQUET, errors=(str(exc),))
-    return FileMeta(path, src.size, PARQUET, root="table", metadata=facts)
+        facts, errors = {}, (str(exc),)
+    # a pickled extension type first: it is what a reader with an old pyarrow runs
+    return FileMeta(path, src.size, PARQUET, root=None if errors else "table", metadata=facts,
+                    globals=tuple(found.globals), unsafe_globals=tuple(found.unsafe),
+                    errors=(*found.errors, *errors))
 
 
-def _footer(src: Source) -> dict[str, str]:
+def _footer(src: Source, found: Extensions) -> dict[str, str]:
     size = src.size
     if size < 12:
         raise ParquetError(f"Parquet file of {size} bytes: too short for its footer (truncated)")
@@ -61,7 +70,37 @@ def _footer(src: Source) -> dict[str, str]:
     except (IndexError, struct.error, RecursionError, ValueError) as exc:
         raise ParquetError(f"Parquet footer ({length:,} bytes at {start:,}) is damaged: "
                            f"{exc or type(exc).__name__}") from None
+    # the schema first: pyarrow reads it on opening the file (pq.read_schema, ParquetFile),
+    # before any row group is looked at, so a damaged one does not keep its fields unread
+    _check_arrow_schema(meta, found)
     return _facts(meta, start)
+
+
+ARROW_SCHEMA = b"ARROW:schema"
+_BASE64 = re.compile(rb"[A-Za-z0-9+/]*")
+
+
+def _check_arrow_schema(meta: dict, found: Extensions) -> None:
+    """The Arrow schema pyarrow keeps in the footer's key_value_metadata (FileMetaData 5, a list
+    of KeyValue: 1 key, 2 value) under `ARROW:schema`, base64 of an IPC schema message
+    (apache/arrow cpp/src/parquet/arrow/writer.cc GetSchemaMetadata), is read back with the
+    file (schema.cc GetOriginSchema: ipc::ReadSchema), field metadata and all: a field with
+    pyarrow's pickled extension type is unpickled by pyarrow < 14.0.1 from here."""
+    pairs = meta.get(5)
+    for pair in pairs if isinstance(pairs, list) else ():
+        if not isinstance(pair, dict) or pair.get(1) != ARROW_SCHEMA:
+            continue
+        value = pair.get(2)
+        # as arrow's own base64_decode did until 2026 (cpp/src/arrow/vendored/base64.cpp, before
+        # GH-49614 made it strict): up to the first byte outside the alphabet or '='; a last
+        # group of one character makes no byte. The lenient reading finds what old pyarrow reads.
+        text = _BASE64.match(value).group() if isinstance(value, bytes) else b""
+        text = text[:len(text) - (len(text) % 4 == 1)]
+        try:
+            check_schema_message(base64.b64decode(text + b"=" * (-len(text) % 4)), found)
+        except (ArrowError, binascii.Error) as exc:
+            raise ParquetError(f"Parquet footer's ARROW:schema (the Arrow schema pyarrow reads "
+                               f"the file with) is damaged: {exc}") from None
 
 
 def _facts(meta: dict, footer_start: int) -> dict[str, str]:
