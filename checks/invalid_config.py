@@ -12,6 +12,11 @@ written:
   mapping (a file without that key, as SimpleTuner wrote until August 2023, is no finding:
   SimpleTuner reads it as no buckets and buckets the images again).
 
+A file beside the dataset larger than cachedoctor reads (kohya's `metadata_file` past 16 GiB,
+SimpleTuner's bucket indices past 1 GiB or its bucket metadata past 16 GiB: far beyond what
+millions of images make) is a **warning**: it was not checked, which says nothing against the
+dataset, and the rules that needed it did not run on what it names.
+
 Each finding names the file, the line, the key and what was expected.
 
 A config file that does not parse at all (bad JSON, TOML or YAML) is no finding: the scan stops
@@ -36,6 +41,7 @@ None automatic: correct the config as the message says.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from cachedoctor.findings import Finding, Severity
@@ -44,7 +50,12 @@ from cachedoctor.rule import Rule, RuleContext
 
 
 def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Finding]:
-    return RULE.problem_findings(layouts, INVALID)
+    for finding in RULE.problem_findings(layouts, INVALID):
+        # a file past cachedoctor's reading limit (the layout sets `reading_limit`) is unknown,
+        # not broken: an error there would fail a healthy dataset's scan
+        if "reading_limit" in finding.details:
+            finding = dataclasses.replace(finding, severity=Severity.WARNING)
+        yield finding
 
 
 RULE = Rule(
