@@ -32,7 +32,9 @@ MAX_ENTRY = 16 * 2**20
 
 
 def size_text(n: int) -> str:
-    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n // 2**20} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:g} GiB"
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 class BeyondLimit(Exception):
@@ -61,11 +63,13 @@ def read_whole(path: str, limit: int) -> bytes:
         if st.st_size > limit:
             raise BeyondLimit(st.st_size, limit)
         parts, total = [], 0
-        want = st.st_size + 1  # one read of what fstat says, one more to see the end
+        # one read of what fstat says and a byte more to see the end; a file that grows
+        # meanwhile is read on in small reads, os.read reserving what it is asked for
+        want = st.st_size + 1
         while total <= limit and (chunk := os.read(fd, min(want, limit + 1 - total))):
             parts.append(chunk)
             total += len(chunk)
-            want = CHUNK
+            want = min(CHUNK, max(4096, total))
         if total > limit:
             raise BeyondLimit(None, limit)
         return b"".join(parts)
@@ -89,6 +93,7 @@ class _Stream:
         self.limit = limit
         self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
         self.buf, self.pos, self.eof = "", 0, False
+        self.state = "start"  # of _parse
         self.line_base, self.col_base = 0, 0  # line and column of buf[0] in the file
 
     def more(self) -> None:
@@ -125,91 +130,103 @@ class _Stream:
             return _NeedMore()
         return self.error(message, at)
 
-    def ws(self, at: int) -> int:
-        end = _WS.match(self.buf, at).end()  # type: ignore[union-attr]
-        if end >= len(self.buf) and not self.eof:
-            raise _NeedMore
-        return end
 
-
-_DECODER = json.JSONDecoder()
+_SCAN = json.JSONDecoder().scan_once  # the C scanner json.loads uses for a value
+_SPACE = " \t\n\r"
 
 
 def object_items(path: str, limit: int) -> Iterator[tuple[str, Any]]:
     """The (key, value) entries of the JSON object in `path`, in file order, read a chunk at a
     time; an entry's value is parsed as json.loads would. NotJson where json.load would
     refuse the file (a duplicate key is yielded again, json.load keeps its last value),
-    NotJson too when the file holds JSON but no object; BeyondLimit past `limit` bytes or an
+    NotAnObject when it starts as JSON of another kind; BeyondLimit past `limit` bytes or an
     entry past MAX_ENTRY; OSError when it cannot be read."""
     fd, st = open_regular(path)
     try:
         if st.st_size > limit:
             raise BeyondLimit(st.st_size, limit)
         stream = _Stream(fd, limit)
-        state = "start"  # start, first (after '{'), next (after ','), end (after '}')
-        while True:
+        out: list[tuple[str, Any]] = []
+        while stream.state != "done":
             try:
-                state, entry = _unit(stream, state)
+                _parse(stream, out)
+                more = False
             except _NeedMore:
-                stream.more()
-                continue
+                more = True
             except RecursionError:
                 raise NotJson("not valid JSON: nested too deeply") from None
-            if entry is not None:
-                yield entry
-            if state == "done":
-                return
+            yield from out
+            out.clear()
+            if more:
+                stream.more()
     finally:
         os.close(fd)
 
 
-def _unit(s: _Stream, state: str) -> tuple[str, tuple[str, Any] | None]:
-    """Parse from s.pos one step (the opening brace, one entry with the delimiter after it,
-    or the end) and move s.pos past it; _NeedMore when the buffer ends inside it."""
-    buf = s.buf
-    at = s.ws(s.pos)
-
-    def char(i: int) -> str:
-        return buf[i] if i < len(buf) else ""
-
-    if state == "start":
-        if char(at) != "{":
-            if char(at) == "[":
-                raise NotAnObject("holds a JSON list, not an object")
-            if char(at) and char(at) in '"-0123456789tfn':
-                raise NotAnObject("holds a single JSON value, not an object")
-            raise s.fail("Expecting value", at)
-        s.pos = at + 1
-        return "first", None
-    if state == "end":
-        if at < len(buf):
-            raise s.fail("Extra data", at)
-        return "done", None
-    if state == "first" and char(at) == "}":
-        s.pos = at + 1
-        return "end", None
-    if char(at) != '"':
-        raise s.fail("Expecting property name enclosed in double quotes", at)
-    try:
-        key, end = json.decoder.scanstring(buf, at + 1)
-    except json.JSONDecodeError as exc:
-        raise s.fail(exc.msg, exc.pos) from None
-    end = s.ws(end)
-    if char(end) != ":":
-        raise s.fail("Expecting ':' delimiter", end)
-    end = s.ws(end + 1)
-    try:
-        value, end = _DECODER.raw_decode(buf, end)
-    except json.JSONDecodeError as exc:
-        raise s.fail(exc.msg, exc.pos) from None
-    end = s.ws(end)  # also proves a number was not cut short by the chunk's end
-    if char(end) == ",":
-        s.pos = end + 1
-        return "next", (key, value)
-    if char(end) == "}":
-        s.pos = end + 1
-        return "end", (key, value)
-    raise s.fail("Expecting ',' delimiter", end)
+def _parse(s: _Stream, out: list[tuple[str, Any]]) -> None:
+    """Parse the buffer from s.pos into `out`, an entry (with the delimiter after it) at a
+    time, moving s.pos and s.state past each; _NeedMore where the buffer ends inside one.
+    States: start, first (after the opening brace), next (after a comma), end (after the
+    closing brace), done. One loop for the whole buffer: a million entries are parsed here."""
+    buf, pos, eof = s.buf, s.pos, s.eof
+    n = len(buf)
+    while True:
+        at = _WS.match(buf, pos).end() if pos < n and buf[pos] in _SPACE else pos
+        if at >= n and not eof:
+            s.pos = at  # whitespace is no part of an entry: a long run must not count as one
+            raise _NeedMore
+        char = buf[at] if at < n else ""
+        state = s.state
+        if state == "start":
+            if char != "{":
+                if char == "[":
+                    raise NotAnObject("holds a JSON list, not an object")
+                if char and char in '"-0123456789tfn':
+                    raise NotAnObject("holds a single JSON value, not an object")
+                raise s.fail("Expecting value", at)
+            s.state, s.pos = "first", at + 1
+            pos = at + 1
+            continue
+        if state == "end":
+            if at < n:
+                raise s.fail("Extra data", at)
+            s.state = "done"
+            return
+        if state == "first" and char == "}":
+            s.state, s.pos = "end", at + 1
+            pos = at + 1
+            continue
+        if char != '"':
+            raise s.fail("Expecting property name enclosed in double quotes", at)
+        try:
+            key, end = json.decoder.scanstring(buf, at + 1)
+        except json.JSONDecodeError as exc:
+            raise s.fail(exc.msg, exc.pos) from None
+        if end < n and buf[end] in _SPACE:
+            end = _WS.match(buf, end).end()
+        if end >= n or buf[end] != ":":
+            raise s.fail("Expecting ':' delimiter", end)
+        end += 1
+        if end < n and buf[end] in _SPACE:
+            end = _WS.match(buf, end).end()
+        try:
+            value, end = _SCAN(buf, end)
+        except StopIteration as err:
+            raise s.fail("Expecting value", err.value) from None
+        except json.JSONDecodeError as exc:
+            raise s.fail(exc.msg, exc.pos) from None
+        if end < n and buf[end] in _SPACE:
+            end = _WS.match(buf, end).end()
+        # the delimiter must be in the buffer: it also proves a number was not cut short
+        char = buf[end] if end < n else ""
+        if char == ",":
+            s.state = "next"
+        elif char == "}":
+            s.state = "end"
+        else:
+            raise s.fail("Expecting ',' delimiter", end)
+        s.pos = pos = end + 1
+        out.append((key, value))
 
 
 def jsonl_lines(path: str, limit: int) -> Iterator[tuple[int, bytes]]:
