@@ -185,3 +185,35 @@ def test_simpletuner_bucket_files_past_the_reading_limit_are_warnings(
     assert "not checked" in unread.message
     assert {f.code for f in report.findings if f.severity == Severity.ERROR} == {"CD404"}
     assert by_code(report, "CD404")  # the dataset's other rules still ran
+
+
+def test_a_musubi_jsonl_past_the_reading_limit_is_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """musubi-tuner's image_jsonl_file past MAX_JSONL_BYTES (1 GiB, here 64 bytes): its
+    captions were silently not compared; now a CD409 warning says the file was not read."""
+    import torch
+
+    from cachedoctor.fixtures.projects import musubi
+    from cachedoctor.layouts import musubi as musubi_layout
+
+    monkeypatch.setattr(musubi_layout, "MAX_JSONL_BYTES", 64)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    lines = [{"image_path": f"/data/img_{i}.png", "caption": f"caption {i}"} for i in range(2)]
+    (tmp_path / "meta.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "dataset.toml").write_text('[[datasets]]\nimage_jsonl_file = "meta.jsonl"\n'
+                                           'cache_directory = "cache"\nresolution = 128\n')
+    for i in range(2):
+        musubi.save_latents(cache / musubi.latent_name(f"img_{i}", 128, 128, "qi"),
+                            {"latents_1x16x16_bfloat16": torch.zeros(16, 1, 16, 16,
+                                                                     dtype=torch.bfloat16)},
+                            "qwen_image", 128, 128)
+        musubi.save_text(cache / f"img_{i}_qi_te.safetensors",
+                         {"varlen_vl_embed_bfloat16": musubi.embed(i, 5, 64)}, "qwen_image",
+                         f"caption {i}")
+    report = scan_paths(tmp_path / "dataset.toml")
+    assert [(f.code, f.severity) for f in report.findings] == [("CD409", Severity.WARNING)]
+    size = (tmp_path / "meta.jsonl").stat().st_size
+    assert (f"image_jsonl_file 'meta.jsonl' was not read: the file holds {size} bytes, beyond "
+            "cachedoctor's reading limit of 64 bytes: not checked; its captions are not "
+            "compared") in report.findings[0].message
