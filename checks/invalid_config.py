@@ -12,11 +12,11 @@ written:
   mapping (a file without that key, as SimpleTuner wrote until August 2023, is no finding:
   SimpleTuner reads it as no buckets and buckets the images again).
 
-A file beside the dataset larger than cachedoctor reads (kohya's `metadata_file` past 16 GiB,
-SimpleTuner's bucket indices past 1 GiB or its bucket metadata past 16 GiB, musubi-tuner's
-jsonl file past 1 GiB: far beyond what millions of images make) is a **warning**: it was not
-checked, which says nothing against the dataset, and the rules that needed it did not run on
-what it names.
+A file beside the dataset that is larger than cachedoctor reads is a **warning**: it was not
+checked, which says nothing against the dataset. The limits lie far beyond what millions of
+images make: kohya's `metadata_file` and SimpleTuner's bucket metadata 16 GiB, SimpleTuner's
+bucket indices and musubi-tuner's jsonl files 1 GiB. The rules that needed the file did not
+run on what it names.
 
 Each finding names the file, the line, the key and what was expected.
 

@@ -759,7 +759,7 @@ def _unread(path: str, dataset: str, problems: Problems, exc: Exception, limit: 
     if isinstance(exc, BeyondLimit) or str(exc).startswith("larger than"):
         problems.invalid(origin, f"not read: {str(exc).removeprefix('the file ')}"
                          + ("" if isinstance(exc, BeyondLimit) else ": not checked")
-                         + "; the buckets it holds are not compared", dataset,
+                         + "; the buckets and sizes it holds are not compared", dataset,
                          reading_limit=limit)
         return
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
