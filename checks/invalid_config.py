@@ -12,6 +12,12 @@ written:
   mapping (a file without that key, as SimpleTuner wrote until August 2023, is no finding:
   SimpleTuner reads it as no buckets and buckets the images again).
 
+A file beside the dataset that is larger than cachedoctor reads is a **warning**: it was not
+checked, which says nothing against the dataset. The limits lie far beyond what millions of
+images make: kohya's `metadata_file` and SimpleTuner's bucket metadata 16 GiB, SimpleTuner's
+bucket indices and musubi-tuner's jsonl files 1 GiB. The rules that needed the file did not
+run on what it names.
+
 Each finding names the file, the line, the key and what was expected.
 
 A config file that does not parse at all (bad JSON, TOML or YAML) is no finding: the scan stops
@@ -36,6 +42,7 @@ None automatic: correct the config as the message says.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from cachedoctor.findings import Finding, Severity
@@ -44,7 +51,12 @@ from cachedoctor.rule import Rule, RuleContext
 
 
 def check_layouts(layouts: Sequence[Layout], ctx: RuleContext) -> Iterator[Finding]:
-    return RULE.problem_findings(layouts, INVALID)
+    for finding in RULE.problem_findings(layouts, INVALID):
+        # a file past cachedoctor's reading limit (the layout sets `reading_limit`) is unknown,
+        # not broken: an error there would fail a healthy dataset's scan
+        if "reading_limit" in finding.details:
+            finding = dataclasses.replace(finding, severity=Severity.WARNING)
+        yield finding
 
 
 RULE = Rule(

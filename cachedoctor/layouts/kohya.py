@@ -24,9 +24,11 @@ npz may hold several, and the trainer reads the one of the bucket (see `loaded_s
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +39,10 @@ from cachedoctor.layouts.base import (
     DirectoryNaming,
     Layout,
     Naming,
+    Origin,
     frozen,
 )
+from cachedoctor.layouts.bigfiles import BeyondLimit, NotJson, jsonl_lines, object_items
 from cachedoctor.layouts.common import Problems, ending, listdir, subdirs, unique
 from cachedoctor.layouts.entries import (
     Changes,
@@ -304,44 +308,70 @@ def _subsets(dataset_file: ConfigFile | None, args: dict, arg_origins: dict, roo
     return out
 
 
-def _metadata_dirs(root: str, named: str, image_dir: object, origin: object,
+# kohya's metadata: ~1 KB an image as finetune/merge_*_to_metadata.py and
+# prepare_buckets_latents.py write it (json.dumps indent=2: caption, tags, train_resolution), so
+# a million images make ~1 GB. It is streamed (memory holds one entry); past this it is not read.
+MAX_METADATA_BYTES = 16 * 2**30
+
+
+def _metadata_dirs(root: str, named: str, image_dir: object, origin: Origin,
                    problems: Problems) -> list[str]:
     """The folders of a fine-tuning subset's images beside its image_dir: those of its
     metadata's absolute image paths (train_util.py FineTuningDataset: `.jsonl` lines'
     `image_path`, else the JSON object's keys; sd-scripts looks for the npz files in each).
-    A relative key needs image_dir (sd-scripts asserts): without one it is CD409."""
-    import json
-
-    from cachedoctor.layouts.base import TargetError
-    from cachedoctor.layouts.sources import read_text
-
+    A relative key needs image_dir (sd-scripts asserts): without one it is CD409. A file past
+    MAX_METADATA_BYTES is a CD409 warning, not checked: sd-scripts may read it well."""
     path = resolve(root, named)
     if not os.path.isfile(path):
         problems.missing(origin, "metadata_file", named, path, _reason(root))
         return []
+    folders: set[str] = set()
     try:
-        text = read_text(path)
-        if path.endswith(".jsonl"):
-            keys = [json.loads(line)["image_path"] for line in text.splitlines() if line.strip()]
-        else:
-            keys = list(json.loads(text))
-    except (TargetError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        problems.invalid(origin, f"metadata_file {named!r} cannot be read as sd-scripts reads "
-                         f"it: {exc}", key="metadata_file")
+        for key in _metadata_keys(path):
+            if not isinstance(key, str) or "\0" in key:
+                continue
+            if not os.path.isabs(key):
+                if image_dir is None:
+                    problems.invalid(origin, f"metadata_file {named!r} names the image {key!r} "
+                                     "by a relative path: sd-scripts needs image_dir for it",
+                                     key="image_dir")
+                    return []
+                continue
+            folders.add(os.path.dirname(key))
+    except BeyondLimit as exc:
+        problems.invalid(origin, f"metadata_file {named!r} was not read: {exc}; the folders its "
+                         "image paths name are not checked", key="metadata_file",
+                         reading_limit=exc.limit)
         return []
-    folders = []
-    for key in keys:
-        if not isinstance(key, str) or "\0" in key:
+    except (NotJson, OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        problems.invalid(origin, f"metadata_file {named!r} cannot be read as sd-scripts reads "
+                         f"it: {text}", key="metadata_file")
+        return []
+    return sorted(folders)
+
+
+def _metadata_keys(path: str) -> Iterator[object]:
+    """The image keys of a metadata file, one at a time: a `.jsonl` line's `image_path`, else
+    the JSON object's keys (train_util.py FineTuningDataset.__init__)."""
+    if not path.endswith(".jsonl"):
+        yield from (key for key, _ in object_items(path, MAX_METADATA_BYTES))
+        return
+    for number, line in jsonl_lines(path, MAX_METADATA_BYTES):
+        try:
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"line {number:,} is not UTF-8 text ({exc.reason})") from None
+        if not text.strip():
             continue
-        if not os.path.isabs(key):
-            if image_dir is None:
-                problems.invalid(origin, f"metadata_file {named!r} names the image {key!r} "
-                                 "by a relative path: sd-scripts needs image_dir for it",
-                                 key="image_dir")
-                return []
-            continue
-        folders.append(os.path.dirname(key))
-    return sorted(set(folders))
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"line {number:,} is not valid JSON: {exc.msg} "
+                             f"(column {exc.colno})") from None
+        if not isinstance(item, dict) or "image_path" not in item:
+            raise ValueError(f'line {number:,} has no "image_path"')
+        yield item["image_path"]
 
 
 # -- buckets (train_util.BucketManager, model_util.make_bucket_resolutions) ---------------------

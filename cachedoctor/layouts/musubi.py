@@ -29,7 +29,7 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cachedoctor.formats import read_path
@@ -42,11 +42,12 @@ from cachedoctor.layouts.base import (
     Naming,
     frozen,
 )
+from cachedoctor.layouts.bigfiles import BeyondLimit, jsonl_lines
 from cachedoctor.layouts.common import Problems, ending, listdir, names, typed, unique
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, NoSpec
 from cachedoctor.layouts.paths import resolve
 from cachedoctor.layouts.sources import ConfigFile, type_name
-from cachedoctor.regular_files import open_regular, read_small
+from cachedoctor.regular_files import read_small
 
 NAME = "musubi"
 TITLE = "musubi-tuner"
@@ -113,7 +114,9 @@ DATASET_KEYS = frozenset({"image_directory", "video_directory", "image_jsonl_fil
 DEFAULTS = {"resolution": (960, 544), "enable_bucket": False, "bucket_no_upscale": False,
             "target_frames": (1,), "frame_extraction": "head"}
 MAX_CAPTION_BYTES = 65536
-MAX_JSONL_BYTES = 256 * 2**20  # a million captions; past that its captions are not compared
+# a jsonl line is ~250 bytes (image_path and caption): 1 GiB is ~4 million images. Its captions
+# are kept to compare, so past this they are not (a CD409 warning says so)
+MAX_JSONL_BYTES = 2**30
 
 
 def claims(config: ConfigFile) -> bool:
@@ -241,7 +244,13 @@ def _dataset(config: ConfigFile, root: str, ident: str, table: dict, where: tupl
     targets = tuple(sorted({(f - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1
                             for f in frames if isinstance(f, int) and f > 0})) or (1,)
     extraction = typed(config, problems, where, table, "frame_extraction", str, "head", ident)
-    captions = _captions(media, caption_ext, jsonl and resolve(root, jsonl), video)
+
+    def beyond(exc: BeyondLimit) -> None:
+        problems.invalid(config.origin(*where, media_key), f"{media_key} {jsonl!r} was not "
+                         f"read: {exc}; its captions are not compared", ident, key=media_key,
+                         reading_limit=exc.limit)
+
+    captions = _captions(media, caption_ext, jsonl and resolve(root, jsonl), video, beyond)
     # glob_images(caption_extension=...): images without a caption file are no items
     captioned = frozenset(captions) if captions is not None and media is not None else None
     naming = MusubiNaming(
@@ -281,10 +290,11 @@ def _resolution(value: object) -> tuple[int, int] | None:
     return None
 
 
-def _captions(media: str | None, extension: object, jsonl: str | None,
-              video: bool) -> dict[str, str] | None:
+def _captions(media: str | None, extension: object, jsonl: str | None, video: bool,
+              beyond: Callable[[BeyondLimit], None] | None = None) -> dict[str, str] | None:
     """{stem: caption} as musubi reads them (the caption file's text, stripped; a jsonl line's
-    "caption"), or None when the captions cannot be known."""
+    "caption"), or None when the captions cannot be known; `beyond` is told of a jsonl file
+    past cachedoctor's reading limit."""
     out: dict[str, str] = {}
     if media is not None and isinstance(extension, str) and extension:
         kinds = VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
@@ -304,20 +314,21 @@ def _captions(media: str | None, extension: object, jsonl: str | None,
         return out
     if jsonl is not None:
         try:
-            fd, st = open_regular(jsonl)  # a FIFO must not hang the scan, nor /dev/zero fill memory
-            if st.st_size > MAX_JSONL_BYTES:
-                os.close(fd)
-                return None
-            with open(fd, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        item = json.loads(line)
-                    except (ValueError, RecursionError):  # a line nested past json's reach
-                        continue
-                    path = item.get("video_path" if video else "image_path") if isinstance(
-                        item, dict) else None
-                    if isinstance(path, str) and isinstance(item.get("caption"), str):
-                        out[os.path.splitext(os.path.basename(path))[0]] = item["caption"]
+            # a regular file only (a FIFO must not hang the scan), line by line, each line and
+            # the file bounded (nor /dev/zero fill memory)
+            for _, line in jsonl_lines(jsonl, MAX_JSONL_BYTES):
+                try:
+                    item = json.loads(line.decode("utf-8"))
+                except (ValueError, RecursionError):  # a line nested past json's reach
+                    continue
+                path = item.get("video_path" if video else "image_path") if isinstance(
+                    item, dict) else None
+                if isinstance(path, str) and isinstance(item.get("caption"), str):
+                    out[os.path.splitext(os.path.basename(path))[0]] = item["caption"]
+        except BeyondLimit as exc:
+            if beyond is not None:
+                beyond(exc)
+            return None
         except (OSError, UnicodeDecodeError):
             return None
         return out

@@ -49,7 +49,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,12 +64,12 @@ from cachedoctor.layouts.base import (
     Origin,
     frozen,
 )
+from cachedoctor.layouts.bigfiles import BeyondLimit, NotAnObject, NotJson, object_items, read_whole
 from cachedoctor.layouts.common import Problems, listdir, parent_named, typed, working_dir
 from cachedoctor.layouts.entries import Changes, Entries, EntrySpec, Geometry, NoSpec, neighbour_format
 from cachedoctor.layouts.paths import resolve, under
 from cachedoctor.layouts.sources import ConfigFile, type_name
 from cachedoctor.layouts.sources import load as load_config
-from cachedoctor.regular_files import open_regular
 from cachedoctor.remote import is_remote, join
 from cachedoctor.remote.client import Endpoint, configure, read_object
 
@@ -643,7 +643,7 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
     indices_path = os.path.join(image_dir, f"aspect_ratio_bucket_indices{suffix}.json")
     metadata_path = os.path.join(image_dir, f"aspect_ratio_bucket_metadata{suffix}.json")
     indices = _read_json(indices_path, entry.id, problems)
-    metadata = _read_json(metadata_path, entry.id, problems)
+    targets = _read_metadata(metadata_path, entry.id, problems, _target(factor))
     if indices is None:
         return out
     origin = Origin(indices_path, "aspect_ratio_bucket_indices", None)
@@ -661,9 +661,9 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
                          f"'{type(raw).__name__}' object has no attribute 'items')", entry.id)
         return out
     out.origin = origin
-    out.metadata_file = metadata_path if isinstance(metadata, dict) else None
+    out.metadata_file = metadata_path if targets is not None else None
     listed: set[str] = set()
-    sizes = metadata if isinstance(metadata, dict) else {}
+    targets = targets or {}
     for bucket, paths in raw.items():
         if not isinstance(paths, list):
             continue
@@ -674,45 +674,96 @@ def _bucket_files(backend: ConfigFile, entry: _Entry, image_dir: str, configured
                 else resolve(image_dir, path)  # an aws backend lists keys in its bucket
             listed.add(absolute)
             key = vae_key(configured, absolute)
-            target = None
-            meta = sizes.get(path)
-            if isinstance(meta, dict):
-                size = meta.get("target_size")
-                if factor and isinstance(size, list) and len(size) == 2 and all(
-                        isinstance(v, int) and v > 0 for v in size):
-                    target = (size[1] // factor, size[0] // factor)
-            out.by_key.setdefault(key, (str(bucket), target))
+            out.by_key.setdefault(key, (str(bucket), targets.get(path)))
     out.listed = frozenset(listed)
     return out
 
 
-MAX_BUCKET_FILE = 64 * 2**20  # a bucket file of a million images is ~40 MB
+def _target(factor: int | None) -> Callable[[Any], tuple[int, int] | None]:
+    """An image's metadata -> the (h, w) its latent has: target_size over the VAE's factor."""
+    def target(meta: Any) -> tuple[int, int] | None:
+        size = meta.get("target_size") if isinstance(meta, dict) else None
+        if factor and isinstance(size, list) and len(size) == 2 and all(
+                isinstance(v, int) and v > 0 for v in size):
+            return size[1] // factor, size[0] // factor
+        return None
+    return target
+
+
+# SimpleTuner writes both files with json.dumps, no indent (discovery.py save_cache,
+# save_image_metadata). The indices hold each image's path once (~100 bytes with quotes and
+# comma; ~100 MB a million images) and are parsed whole, as their buckets are kept whole; the
+# metadata holds ~250 bytes an image (original_size, crop_coordinates, target_size,
+# intermediary_size, aspect_ratio; more with bbox_entities) and is streamed. Past these limits,
+# far beyond millions of images, a file is a CD409 warning: not checked.
+MAX_BUCKET_FILE = 2**30
+MAX_METADATA_FILE = 16 * 2**30
+_INVALID_JSON = "SimpleTuner logs 'Error loading aspect bucket cache' and rebuilds it"
 
 
 def _read_json(path: str, dataset: str, problems: Problems) -> Any:
     try:
-        if is_remote(path):  # a bucket file of an aws backend, in its bucket
-            raw = read_object(path, MAX_BUCKET_FILE)
-            return None if raw is None else json.loads(raw)
-        # in the cache dir, which may come from someone else: a FIFO there must not hang the
-        # scan, nor a symlink to /dev/zero fill memory
-        fd, _ = open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_BUCKET_FILE + 1)
-        if len(raw) > MAX_BUCKET_FILE:
-            raise OSError(f"larger than {MAX_BUCKET_FILE // 2**20} MiB: not checked")
-        return json.loads(raw)
+        # an aws backend's file is in its bucket; a local one is in the cache dir, which may
+        # come from someone else: a FIFO there must not hang the scan, nor /dev/zero fill memory
+        raw = read_object(path, MAX_BUCKET_FILE) if is_remote(path) \
+            else read_whole(path, MAX_BUCKET_FILE)
+        return None if raw is None else json.loads(raw)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        problems.invalid(Origin(path, os.path.basename(path)),
-                         f"cannot read: {exc.strerror or str(exc).removeprefix('cannot read: ')}",
-                         dataset)
+    except (OSError, BeyondLimit) as exc:
+        _unread(path, dataset, problems, exc, MAX_BUCKET_FILE)
     except (ValueError, RecursionError) as exc:
         problems.invalid(Origin(path, os.path.basename(path), getattr(exc, "lineno", None)),
-                         f"not valid JSON ({str(exc).splitlines()[0][:120]}): SimpleTuner logs "
-                         "'Error loading aspect bucket cache' and rebuilds it", dataset)
+                         f"not valid JSON ({str(exc).splitlines()[0][:120]}): {_INVALID_JSON}",
+                         dataset)
     return None
+
+
+def _read_metadata(path: str, dataset: str, problems: Problems,
+                   keep: Callable[[Any], Any]) -> dict[str, Any] | None:
+    """{image path as written: keep(its metadata)} of a bucket metadata file, where keep gives
+    something; None when the file is absent or cannot be read (reported). Streamed: a million
+    images' metadata is never built whole."""
+    if is_remote(path):
+        data = _read_json(path, dataset, problems)
+        if not isinstance(data, dict):
+            return None
+        items: Iterable[tuple[str, Any]] = data.items()
+    else:
+        items = object_items(path, MAX_METADATA_FILE)
+    out: dict[str, Any] = {}
+    try:
+        for key, meta in items:
+            if (kept := keep(meta)) is not None:
+                out[key] = kept
+    except FileNotFoundError:
+        return None
+    except (OSError, BeyondLimit) as exc:
+        _unread(path, dataset, problems, exc, MAX_METADATA_FILE)
+        return None
+    except NotAnObject:
+        return None  # JSON, but no {path: metadata}: nothing to take sizes from
+    except NotJson as exc:
+        text = str(exc).removeprefix("not valid JSON: ")
+        line = re.search(r"\(line (\d+),", text)
+        problems.invalid(Origin(path, os.path.basename(path), int(line.group(1)) if line else None),
+                         f"not valid JSON ({text[:120]}): {_INVALID_JSON}", dataset)
+        return None
+    return out
+
+
+def _unread(path: str, dataset: str, problems: Problems, exc: Exception, limit: int) -> None:
+    """CD409 for a bucket file that cannot be read; a warning (reading_limit) when it is only
+    larger than cachedoctor reads (read_object says so in its text)."""
+    origin = Origin(path, os.path.basename(path))
+    if isinstance(exc, BeyondLimit) or str(exc).startswith("larger than"):
+        problems.invalid(origin, f"not read: {str(exc).removeprefix('the file ')}"
+                         + ("" if isinstance(exc, BeyondLimit) else ": not checked")
+                         + "; the buckets and sizes it holds are not compared", dataset,
+                         reading_limit=limit)
+        return
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    problems.invalid(origin, f"cannot read: {text.removeprefix('cannot read: ')}", dataset)
 
 
 # -- naming ------------------------------------------------------------------------------------
@@ -880,8 +931,9 @@ class _Entries(Entries):
             self._metadata = {}
             file = self.naming.metadata_file
             if file is not None:
-                data = _read_json(file, "", Problems())
-                if isinstance(data, dict):
+                data = _read_metadata(file, "", Problems(),
+                                      lambda meta: meta if _sizes(meta) is not None else None)
+                if data is not None:
                     self._metadata = {resolve(self.naming.image_root, str(k)): v
                                       for k, v in data.items()}
         return self._metadata

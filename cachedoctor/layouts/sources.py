@@ -20,9 +20,11 @@ from types import MappingProxyType
 from typing import Any
 
 from cachedoctor.layouts.base import Origin, TargetError
-from cachedoctor.regular_files import open_regular
+from cachedoctor.layouts.bigfiles import BeyondLimit, read_whole
 
 KINDS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".env": "env"}
+# a trainer config, dataset config or concept file is KBs (a few MB with thousands of datasets);
+# the large files beside a dataset (kohya's metadata_file, bucket caches) go through bigfiles
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
 
 Path_ = tuple[str | int, ...]
@@ -72,15 +74,14 @@ def kind_of(path: str) -> str | None:
 
 def read_text(path: str) -> str:
     # a regular file only, opened without blocking: a config (or one it names) may come with a
-    # cache, and a FIFO there would hang the scan
+    # cache, and a FIFO there would hang the scan. read_whole allocates the file's size, not
+    # MAX_CONFIG_BYTES: `f.read(limit + 1)` reserved 64 MiB for every small config it read
     try:
-        fd, _ = open_regular(path)
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = read_whole(path, MAX_CONFIG_BYTES)
+    except BeyondLimit:
+        raise TargetError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB: not a config file") from None
     except OSError as exc:
         raise TargetError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise TargetError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB: not a config file")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
