@@ -96,11 +96,12 @@ class _Invalid(Exception):
 
 
 class _Tensor:
-    __slots__ = ("begin", "dtype", "end", "name", "shape")
+    __slots__ = ("bad", "begin", "dtype", "end", "name", "shape")
 
     def __init__(self, name: str, dtype: str, shape: list[int], offsets: list[int]) -> None:
         self.name, self.dtype, self.shape = name, dtype, shape
         self.begin, self.end = offsets
+        self.bad: bool | None = None  # whether _size_error finds a fault; None: not asked yet
 
 
 def _reject_constant(name: str) -> float:
@@ -389,7 +390,8 @@ def _deserialize(text: str, notes: list[str]) -> _Header:
                     header.metadata, i = _metadata(text, i, scan, notes)
                 else:
                     value, i = scan(text, i)
-                    _add(header, slots, _tensor(key, value), start, duplicates)
+                    _add(header, slots, _canonical(key, value) or _tensor(key, value), start,
+                         duplicates)
                 if text[i] in _SPACE:
                     i = _skip(text, i)
                 if text[i] == ",":
@@ -431,9 +433,33 @@ def _key(text: str, i: int) -> tuple[str, int]:
     return key, _skip(text, i) if text[i] in _SPACE else i
 
 
+def _canonical(name: str, value: object) -> _Tensor | None:
+    """The tensor of an entry as safetensors writes it ({dtype, shape, data_offsets} in that
+    order, a short shape), checked in a few steps; None for any other, which _tensor reads."""
+    if type(value) is not _Object or len(value) != 3:
+        return None
+    (f0, dtype), (f1, shape), (f2, offsets) = value
+    if f0 != "dtype" or f1 != "shape" or f2 != "data_offsets" or type(dtype) is not str \
+            or type(shape) is not list or type(offsets) is not list or len(offsets) != 2 \
+            or len(shape) > 8 or dtype not in DTYPES:
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= U64_MAX \
+            or not 0 <= end <= U64_MAX:
+        return None
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim <= U64_MAX:
+            return None
+    t = _Tensor(name, dtype, shape, offsets)
+    if 0 not in shape:  # (a 0 dim can hide an overflow before it: _size_error tells)
+        nbits = prod(shape) * DTYPES[dtype][1]  # no 0: the running product only grows
+        t.bad = nbits > U64_MAX or nbits % 8 != 0 or end - begin != nbits >> 3
+    return t
+
+
 def _add(header: _Header, slots: dict[str, int], t: _Tensor, start: int,
          duplicates: _Capped) -> None:
-    problem = _size_error(t) is not None
+    problem = t.bad if t.bad is not None else _size_error(t) is not None
     slot = slots.setdefault(t.name, len(slots))
     if slot == header.count:
         header.begins.append(t.begin)
