@@ -645,18 +645,20 @@ def _validate(header: _Header, text: str) -> int:
     for slot in sorted(range(header.count), key=lambda s: (begins[s], ends[s])):
         begin, end = begins[slot], ends[slot]
         if begin != start or end < begin:
-            name = _entry(text, header.starts[slot]).name
+            name = _entry(header, slot, text).name
             raise _Invalid(f"invalid offset for tensor `{clip(name)}` (data_offsets "
                            f"[{begin}, {end}], expected to begin at {start:,})")
         start = end
         if header.problems[slot]:
-            raise _size_error(_entry(text, header.starts[slot]))
+            raise _size_error(_entry(header, slot, text))
     return start
 
 
-def _entry(text: str, at: int) -> _Tensor:
-    """The tensor whose entry starts at `at`, decoded again (only to word an error)."""
-    key, i = _key(text, at)
+def _entry(header: _Header, slot: int, text: str) -> _Tensor:
+    """The tensor of `slot`: kept, or decoded again from its entry (only to word an error)."""
+    if slot < MAX_KEPT:
+        return header.kept[slot]
+    key, i = _key(text, header.starts[slot])
     return _tensor(key, (_scan_neg_zero if "-0" in text else _scan)(text, i)[0])
 
 
