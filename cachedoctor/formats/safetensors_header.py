@@ -7,6 +7,12 @@ serde decodes `HashMetadata` (duplicate `__metadata__` or tensor fields fail, du
 names keep the last, NaN and lone surrogates fail, nesting stops at depth 128), so the verdict
 matches `safe_open` on what Python's json would otherwise accept. Only the header is read,
 except with `deep`, which counts NaN/Inf in every float tensor.
+
+A header may hold 100 MB (the library's MAX_HEADER_SIZE) of 1.4 million tensors or 7 million
+metadata keys: it is walked entry by entry (json's C scanner decodes one tensor's value at a
+time), every tensor is checked, but only the first MAX_KEPT become TensorMeta and the first
+MAX_METADATA metadata pairs are kept (a note says so). Reading such a header costs about what
+safe_open's own read_metadata does (benchmarks/hostile_safetensors.py).
 """
 
 from __future__ import annotations
@@ -436,7 +442,7 @@ def _deserialize(text: str, notes: list[str]) -> _Header:
     duplicates.close()
     if header.count > MAX_KEPT:
         notes.append(f"the header declares {header.count:,} tensors: all are checked, the "
-                     f"first {MAX_KEPT:,} described")
+                     f"first {MAX_KEPT:,} described (and only theirs counted by --deep)")
     return header
 
 

@@ -59,8 +59,8 @@ def test_many_tensors_are_all_checked_and_the_first_kept(tmp_path, small_caps):
     meta = judged(write(tmp_path, tiny_tensors(3000), b"\0" * 3000))
     assert meta.ok
     assert [t.storage_key for t in meta.tensors] == [f"t{i:07d}" for i in range(50)]
-    assert "the header declares 3,000 tensors: all are checked, the first 50 described" \
-        in meta.notes
+    assert "the header declares 3,000 tensors: all are checked, the first 50 described (and " \
+        "only theirs counted by --deep)" in meta.notes
 
 
 def test_a_fault_past_the_cap_is_still_an_error(tmp_path, small_caps):
@@ -217,3 +217,21 @@ def test_reading_many_tensors_holds_little_memory(tmp_path, monkeypatch):
         tracemalloc.stop()
     assert meta.ok and len(meta.tensors) == 1000
     assert peak < 8 * 2**20, peak
+
+
+@pytest.mark.parametrize(("header", "ok"), [
+    (b' { "a\\u00e9" :\n{"dtype":"U8","shape":[1],"data_offsets":[0,1]} ,\t"b" :["U8",[1],'
+     b'[1,2]] , "__metadata__" : { "k" : "v" } } ', True),
+    (b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,2]}}', False),
+    (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,2]},}', False),
+    (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,2]}', False),
+    (b'{"a" {"dtype":"U8","shape":[1],"data_offsets":[0,2]}}', False),
+    (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,2]} "b":1}', False),
+    (b'{1:2}', False),
+    (b'{"__metadata__":5}', False),
+    (b'{"__metadata__":{"a":"b",}}', False),
+    (b'{"__metadata__":{"a":"b"} x', False),
+])
+def test_the_walk_reads_json_as_the_library_does(tmp_path, header, ok):
+    meta = judged(write(tmp_path, header, b"\0\0"))
+    assert meta.ok == ok, meta.errors
