@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from array import array
 from itertools import islice
 from json.decoder import scanstring as _scanstring
@@ -88,6 +89,7 @@ _STRING = (r'"(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u(?![dD][89a-fA-F])[0-9a-fA-F
 _PLAIN_PAIRS = re.compile(rf"(?:{_STRING}:[ \t\n\r]*+{_STRING},[ \t\n\r]*+)*+").match
 _NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(?:\.([0-9]+))?(?:[eE]([-+]?)([0-9]+))?")
 I32_MAX = 2**31 - 1
+INT_DIGITS = 4300  # Python's default int_max_str_digits
 _NEG_ZERO = -0.0  # serde_json reads `-0` as a float, which no size field accepts
 
 
@@ -176,6 +178,14 @@ def _parse_int_neg_zero(text: str) -> int | float:
     return _NEG_ZERO if text == "-0" else int(text)
 
 
+def _parse_int_bounded(text: str) -> int | float:
+    """int() where PYTHONINTMAXSTRDIGITS lifts Python's limit: then a 100 MB integer would
+    take hours (its conversion is quadratic in 3.11); serde refuses it as out of range."""
+    if len(text) > INT_DIGITS + text.startswith("-"):
+        raise ValueError(f"number out of range (an integer of {len(text):,} digits)")
+    return _parse_int_neg_zero(text)
+
+
 def _scanner(**hooks) -> object:
     return make_scanner(json.JSONDecoder(object_pairs_hook=_Object,
                                          parse_constant=_reject_constant,
@@ -185,6 +195,13 @@ def _scanner(**hooks) -> object:
 # scan(text, i) -> (value, end): one JSON value at i, as json.loads would decode it
 _scan = _scanner()
 _scan_neg_zero = _scanner(parse_int=_parse_int_neg_zero)
+_scan_bounded = _scanner(parse_int=_parse_int_bounded)
+
+
+def _scan_for(text: str):
+    if not 0 < sys.get_int_max_str_digits() <= INT_DIGITS:
+        return _scan_bounded
+    return _scan_neg_zero if "-0" in text else _scan
 
 
 def _skip(text: str, i: int) -> int:
@@ -372,7 +389,7 @@ class _Capped:
 def _deserialize(text: str, notes: list[str]) -> _Header:
     """serde's HashMetadata from the header text, walked entry by entry: each tensor's value
     is decoded alone and folded into _Header, never the whole document at once."""
-    scan = _scan_neg_zero if "-0" in text else _scan
+    scan = _scan_for(text)
     header = _Header()
     slots: dict[str, int] = {}
     duplicates = _Capped(notes, "{} more duplicate tensor names in the header: the last of "
@@ -679,7 +696,7 @@ def _entry(header: _Header, slot: int, text: str) -> _Tensor:
     if slot < MAX_KEPT:
         return header.kept[slot]
     key, i = _key(text, header.starts[slot])
-    return _tensor(key, (_scan_neg_zero if "-0" in text else _scan)(text, i)[0])
+    return _tensor(key, _scan_for(text)(text, i)[0])
 
 
 def _numel(shape: list[int]) -> int | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -235,3 +237,21 @@ def test_reading_many_tensors_holds_little_memory(tmp_path, monkeypatch):
 def test_the_walk_reads_json_as_the_library_does(tmp_path, header, ok):
     meta = judged(write(tmp_path, header, b"\0\0"))
     assert meta.ok == ok, meta.errors
+
+
+def test_an_integer_of_a_million_digits_is_refused_quickly_without_pythons_limit(tmp_path):
+    """With PYTHONINTMAXSTRDIGITS=0, int() would take its digits in quadratic time (minutes
+    for a million in Python 3.11, hours for 100 MB): the reader refuses them unread."""
+    head = b'{"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"z":'
+    path = write(tmp_path, head + b"7" * 1_000_000 + b"}}", b"\0")
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        started = time.perf_counter()
+        meta = read_path(str(path))
+        took = time.perf_counter() - started
+    finally:
+        sys.set_int_max_str_digits(old)
+    assert meta.errors == ("safetensors header: invalid JSON in header: number out of range (an "
+                           "integer of 1,000,000 digits)",)
+    assert took < 5, took
