@@ -94,7 +94,10 @@ def kept_root(trainer: str, dataset: Dataset, root: str) -> str:
     the folders holding `.cachedoctor/`: SimpleTuner's VAECache.clear_cache and scan_for_errors
     delete the `.pt` files its list_files found (kept copies end in KEPT_SUFFIX), musubi-tuner's
     cache_latents removes `<cache_directory>/*_<arch>.safetensors` (a glob of that folder only),
-    kohya and ai-toolkit delete no cache file."""
+    kohya and ai-toolkit delete no cache file. One exception is left to the user (README):
+    SimpleTuner's web UI dataset scan with clear_vae_cache (DatasetScanService.clear_vae_cache,
+    bghira/SimpleTuner bc8e6ab7) rmtree's the whole cache_dir_vae, whose parent may hold
+    other datasets' caches: no folder of its own is safe to take for the state."""
     if trainer == onetrainer.NAME:
         cache_dir = dataset.options.get("cache_dir")
         if isinstance(cache_dir, str):
