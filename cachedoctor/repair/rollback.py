@@ -35,6 +35,7 @@ from cachedoctor.repair.caches import (
 )
 from cachedoctor.repair.journal import (
     CONFLICT,
+    DONE,
     IN_FLIGHT,
     INTERRUPTED,
     PLANNED,
@@ -84,6 +85,12 @@ def _roll_back(record: ActionRecord, paths: ActionPaths, root_fd: int, fds: list
     if quarantine_moved:
         return f"{quarantine_moved}: left alone; the original may still be at {paths.quarantine}"
     if quarantine is None or confined.lstat_at(quarantine, kept_name) is None:
+        # nothing kept: the action had not moved it yet (recovery), or a finished action's
+        # original was deleted since (the quarantine removed by hand, or with the folder
+        # holding it): then undo cannot put it back, and says so rather than count it back
+        if record.state in (DONE, CONFLICT) and not (
+                folder is not None and record.sha_before and _sha_at(folder, name) == record.sha_before):
+            return f"{paths.path}: its original is no longer in the quarantine ({paths.quarantine}): cannot be put back"
         return None
     if folder is None and moved is None:
         # the file's folder is gone while its original is kept: a trainer's own cache clear

@@ -152,3 +152,17 @@ def test_a_cleared_folder_put_back_as_a_symlink_is_left_alone(tmp_path: Path, ho
     assert list(elsewhere.iterdir()) == []
     text = [p for p in before if "text" in p.parts]
     assert digests(text) == {p: before[p] for p in text}  # the text sample is back
+
+
+def test_undo_says_which_originals_it_cannot_put_back(tmp_path: Path) -> None:
+    cache_dir, before = fixed_project(tmp_path)
+    onetrainer_clear(cache_dir)
+    # the quarantine removed by hand (to free the space without `cachedoctor purge`)
+    shutil.rmtree(cache_dir / STATE_DIR / "quarantine")
+
+    result = invoke("undo")
+
+    assert result.exit_code == 1, result.output
+    assert "0 file(s) put back" in result.output
+    assert result.output.count("cannot be put back") == 3, result.output
+    assert not any(p.exists() for p in before)
