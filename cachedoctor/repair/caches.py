@@ -1,8 +1,10 @@
 """Which cache a file belongs to, and where that cache keeps cachedoctor's own state.
 
 A cache root is a dataset's cache dir: a bare target dir, or the dir of a single-file target;
-for trainers that keep their caches beside the images (kohya, ai-toolkit), the image dir.
-Each root a run changes holds `.cachedoctor/` (the scan never walks it):
+for trainers that keep their caches beside the images (kohya, ai-toolkit), the image dir; for
+OneTrainer, the configured `cache_dir`, never the `image/` and `text/` folders in it, which
+OneTrainer deletes at every start (see `kept_root`). Each root a run changes holds
+`.cachedoctor/` (the scan never walks it):
 
     .cachedoctor/journal.sqlite                 what every run did, written before it does it
     .cachedoctor/lock                           flock'ed by the fix or undo working on the cache
@@ -21,7 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cachedoctor.inventory import STATE_DIR
-from cachedoctor.layouts import Layout
+from cachedoctor.layouts import Layout, onetrainer
+from cachedoctor.layouts.bare import GROUP
+from cachedoctor.layouts.base import Dataset
 from cachedoctor.remote import is_remote
 
 JOURNAL = "journal.sqlite"
@@ -68,12 +72,99 @@ def cache_roots(layouts: Iterable[Layout]) -> tuple[str, ...]:
                     continue
                 path = os.path.abspath(cache_dir)
                 root = path if os.path.isdir(path) else os.path.dirname(path)
+                root = kept_root(layout.trainer, dataset, root)
                 if STATE_DIR in root.split(os.sep):
                     raise ValueError(f"{cache_dir} is inside cachedoctor's own {STATE_DIR}/ dir: "
                                      "give the cache dir instead")
                 if root not in roots:
                     roots.append(root)
     return tuple(roots)
+
+
+def kept_root(trainer: str, dataset: Dataset, root: str) -> str:
+    """The root to keep `root`'s repair state in: one the trainer's own cache clearing leaves.
+
+    OneTrainer (GenericTrainer.__clear_cache, Nerogar/OneTrainer 23df3832, run at every start
+    with clear_cache_before_training and latent_caching, both on by default) lists its
+    `cache_dir` and shutil.rmtree's each folder named `image`, `text` or `epoch-*` there, but
+    never the cache_dir itself. mgds reads samples by group key and index
+    (DiskCache.get_item) and never lists the cache_dir, so `<cache_dir>/.cachedoctor/` is
+    neither deleted nor read as a cache. A state dir in `image/` would vanish, quarantine
+    and journal with it, at the next launch. The other trainers fix repairs delete files, not
+    the folders holding `.cachedoctor/`: SimpleTuner's VAECache.clear_cache and scan_for_errors
+    delete the `.pt` files its list_files found (kept copies end in KEPT_SUFFIX), musubi-tuner's
+    cache_latents removes `<cache_directory>/*_<arch>.safetensors` (a glob of that folder only),
+    kohya and ai-toolkit delete no cache file. One exception is left to the user (README):
+    SimpleTuner's web UI dataset scan with clear_vae_cache (DatasetScanService.clear_vae_cache,
+    bghira/SimpleTuner bc8e6ab7) rmtree's the whole cache_dir_vae, whose parent may hold
+    other datasets' caches: no folder of its own is safe to take for the state."""
+    if trainer == onetrainer.NAME:
+        cache_dir = dataset.options.get("cache_dir")
+        if isinstance(cache_dir, str):
+            cache_dir = os.path.abspath(cache_dir)
+            if root == cache_dir or root.startswith(cache_dir.rstrip(os.sep) + os.sep):
+                return cache_dir
+    elif trainer == "bare":  # a OneTrainer cache given without its config
+        return mgds_cache_dir(root) or root
+    return root
+
+
+def mgds_cache_dir(path: str) -> str | None:
+    """The OneTrainer cache_dir above `path` where `path` is a folder its clear deletes or one
+    inside it, as mgds lays them out: `<cache_dir>/image|text`, `.../<sha256 group>`,
+    `.../<group>/variation-<n>`, or before mgds a8e7480 `<cache_dir>/image|text/epoch-<n>`.
+    Each shape is told by the folders mgds names (a group folder holding `variation-<n>`), not
+    by a folder merely called `image`."""
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    if onetrainer.VARIATION.match(name) and _group(parent):
+        path, name, parent = parent, os.path.basename(parent), os.path.dirname(parent)
+    elif onetrainer.EPOCH.match(name) and os.path.basename(parent) in onetrainer.AREAS:
+        return os.path.dirname(parent)
+    elif name in onetrainer.AREAS and any(_group(os.path.join(path, n)) or onetrainer.EPOCH.match(n)
+                                          for n in _listdir(path)):
+        return parent
+    if _group(path) and os.path.basename(parent) in onetrainer.AREAS:
+        return os.path.dirname(parent)
+    return None
+
+
+def _group(path: str) -> bool:
+    """Whether `path` is an mgds group folder: a sha256 name, holding `variation-<n>` folders."""
+    return GROUP.match(os.path.basename(path)) is not None and any(
+        onetrainer.VARIATION.match(n) for n in _listdir(path))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def earlier_roots(root: str) -> list[str]:
+    """Where earlier versions of cachedoctor kept the state of the OneTrainer cache_dir `root`:
+    in its `image/` and `text/` folders (then the roots), those that hold a journal and are
+    mgds areas (a folder of another trainer's cache named `image` is a cache of its own). undo,
+    purge, recovery and the run list look there too, so that runs journaled there stay
+    undoable. Never through a symlink: a journal reached so is no run of this cache."""
+    out = []
+    for area in onetrainer.AREAS:
+        folder = os.path.join(root, area)
+        if not os.path.islink(folder) and not os.path.islink(state_dir(folder)) \
+                and os.path.isfile(os.path.join(state_dir(folder), JOURNAL)) \
+                and mgds_cache_dir(folder) == root:
+            out.append(folder)
+    return out
+
+
+def with_earlier(roots: Iterable[str]) -> list[str]:
+    """`roots`, each followed by its earlier_roots, without repeats."""
+    out: list[str] = []
+    for root in roots:
+        for found in (root, *(() if is_remote(root) else earlier_roots(root))):
+            if found not in out:
+                out.append(found)
+    return out
 
 
 def root_of(path: str, roots: Iterable[str]) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cachedoctor.fix_kinds import QUARANTINE, REENCODE
+from cachedoctor.repair.caches import with_earlier
 from cachedoctor.repair.journal import (
     CONFLICT,
     DONE,
@@ -91,7 +92,7 @@ def listing(roots: Iterable[str], unreadable: list[str] | None = None) -> list[L
     (damaged, a symlink) is left out, and why is added to `unreadable`: one cache's bad
     journal does not hide the others' runs."""
     out = []
-    for root in roots:
+    for root in with_earlier(roots):
         try:
             journal = Journal.existing(root)
         except JournalError as exc:

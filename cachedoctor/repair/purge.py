@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cachedoctor.repair import confined, index
-from cachedoctor.repair.caches import QUARANTINE_DIR, plain_run_id, state_dir
+from cachedoctor.repair.caches import QUARANTINE_DIR, plain_run_id, state_dir, with_earlier
 from cachedoctor.repair.journal import RUNNING, UNDOING, UNDONE, Journal
 from cachedoctor.repair.session import guarded
 
@@ -83,7 +83,7 @@ def targets(run_id: str | None, older_than: float | None,
     """The runs to purge: `run_id`, or every run started more than `older_than` seconds ago,
     in `roots` (default: every cache this user ran fix on). Runs purged already are left out;
     runs under way (or interrupted) are included: purge recovers them first."""
-    roots = [os.path.abspath(r) for r in roots] if roots else index.known_roots()
+    roots = with_earlier(os.path.abspath(r) for r in roots) if roots else index.known_roots()
     now = time.time()
     found = []
     for root in roots:
@@ -105,7 +105,7 @@ def targets(run_id: str | None, older_than: float | None,
 
 def was_purged(run_id: str, roots: Iterable[str] | None = None) -> float | None:
     """When `run_id`'s quarantine was purged in any of `roots`, or None."""
-    for root in ([os.path.abspath(r) for r in roots] if roots else index.known_roots()):
+    for root in (with_earlier(os.path.abspath(r) for r in roots) if roots else index.known_roots()):
         journal = Journal.existing(root)
         if journal is not None:
             with journal:
@@ -120,7 +120,7 @@ def undo_target(run_id: str | None, roots: Iterable[str] | None = None) -> str |
     if run_id is not None:
         return run_id
     latest = None
-    for root in ([os.path.abspath(r) for r in roots] if roots else index.known_roots()):
+    for root in (with_earlier(os.path.abspath(r) for r in roots) if roots else index.known_roots()):
         journal = Journal.existing(root)
         if journal is None:
             continue

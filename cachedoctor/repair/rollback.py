@@ -6,6 +6,8 @@ Recovery and undo may delete only three things: cachedoctor's own temp files (na
 from the run id), a file whose sha256 is the one the run itself recorded for what it wrote, and
 the quarantine's second name for a file whose first name holds the same bytes. Anything else
 that is in the way (a file a trainer wrote since) is left alone and reported as a conflict.
+Where a file's folder is gone since the run (a trainer cleared its cache) and its original is
+kept, the folders are made again to put it back.
 
 Per action, what the files say about how far it got:
 - quarantine: the file at its place (not moved yet) or in the quarantine (moved): moved back.
@@ -33,6 +35,7 @@ from cachedoctor.repair.caches import (
 )
 from cachedoctor.repair.journal import (
     CONFLICT,
+    DONE,
     IN_FLIGHT,
     INTERRUPTED,
     PLANNED,
@@ -82,7 +85,23 @@ def _roll_back(record: ActionRecord, paths: ActionPaths, root_fd: int, fds: list
     if quarantine_moved:
         return f"{quarantine_moved}: left alone; the original may still be at {paths.quarantine}"
     if quarantine is None or confined.lstat_at(quarantine, kept_name) is None:
+        # nothing kept: the action had not moved it yet (recovery), or a finished action's
+        # original was deleted since (the quarantine removed by hand, or with the folder
+        # holding it): then undo cannot put it back, and says so rather than count it back
+        if record.state in (DONE, CONFLICT) and not (
+                folder is not None and record.sha_before and _sha_at(folder, name) == record.sha_before):
+            return f"{paths.path}: its original is no longer in the quarantine ({paths.quarantine}): cannot be put back"
         return None
+    if folder is None and moved is None:
+        # the file's folder is gone while its original is kept: a trainer's own cache clear
+        # deletes whole folders (OneTrainer's GenericTrainer.__clear_cache rmtree's image/ and
+        # text/ at every start). Made again, from the root, never through a symlink
+        try:
+            folder = confined.open_dir(root_fd, os.path.dirname(paths.relpath), create=True)
+        except confined.Moved as exc:
+            moved = str(exc)
+        else:
+            fds.append(folder)
     if folder is None:
         return f"{moved}: left alone; the original is kept at {paths.quarantine}"
     here = confined.lstat_at(folder, name)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from cachedoctor.repair import lock
+from cachedoctor.repair.caches import with_earlier
 from cachedoctor.repair.journal import Journal
 from cachedoctor.repair.rollback import recover
 
@@ -56,7 +57,7 @@ def recover_caches(roots: Iterable[str], wait: float = 0.0) -> list[str]:
 
 def _recover(roots: tuple[str, ...], held: lock.Held) -> dict[str, tuple[str, ...]]:
     out = {}
-    for root in roots:
+    for root in with_earlier(roots):  # a cache's state at an earlier place: inside a root held
         # a run that keeps its locks in another state dir (another user, another machine on a
         # shared cache) holds `.cachedoctor/lock`, which may have appeared since ours were
         # taken: a run the journal says is `running` is dead only once that lock is ours too

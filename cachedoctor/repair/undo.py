@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cachedoctor.repair import index
+from cachedoctor.repair.caches import with_earlier
 from cachedoctor.repair.journal import (
     UNDONE,
     Journal,
@@ -43,7 +44,7 @@ def undo_run(run_id: str | None = None, roots: Iterable[str] | None = None,
              wait: float = 0.0) -> list[UndoResult]:
     """Undo `run_id` (default: the latest run not undone yet) in every cache of `roots` (default:
     every cache this user ran fix on) that has it. Raises NothingToUndo, LockBusy."""
-    roots = [os.path.abspath(r) for r in roots] if roots else index.known_roots()
+    roots = with_earlier(os.path.abspath(r) for r in roots) if roots else index.known_roots()
     found = [(s.root, s.run) for s in list_runs(roots) if run_id is None or s.run.run_id == run_id]
     if run_id is None:
         pending = [(root, run) for root, run in found if run.state != UNDONE]
@@ -68,7 +69,7 @@ def list_runs(roots: Iterable[str] | None = None) -> list[RunSummary]:
     """Every run in the journals of `roots` (default: every cache this user ran fix on), oldest
     first."""
     out = []
-    for root in (roots if roots is not None else index.known_roots()):
+    for root in with_earlier(roots) if roots is not None else index.known_roots():
         journal = Journal.existing(root)
         if journal is None:
             continue
