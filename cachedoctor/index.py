@@ -590,7 +590,9 @@ def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Conne
 
 def since_ns(text: str, db: sqlite3.Connection | None, roots: Iterable[str]) -> int:
     """--changed-since's time in ns: epoch seconds, an ISO time (local time unless it says),
-    or the start of a scan this index recorded, or of a repair run of one of `roots`."""
+    or the start of a scan this index recorded, or of a repair run of one of `roots` or of the
+    folder holding it (a OneTrainer cache keeps its repair state in its cache_dir, above the
+    image/ and text/ folders a scan of its config walks, which OneTrainer deletes)."""
     text = text.strip()
     try:
         return int(float(text) * 1e9)
@@ -608,7 +610,8 @@ def since_ns(text: str, db: sqlite3.Connection | None, roots: Iterable[str]) -> 
             found = None
         if found is not None:
             return int(found[0])
-    for root in roots:
+    roots = list(roots)
+    for root in dict.fromkeys(roots + [os.path.dirname(os.path.abspath(r)) for r in roots]):
         journal = os.path.join(root, STATE_DIR, "journal.sqlite")
         if not os.path.isfile(journal):
             continue

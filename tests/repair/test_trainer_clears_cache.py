@@ -16,6 +16,7 @@ from cachedoctor.inventory import STATE_DIR
 from cachedoctor.layouts import resolve
 from cachedoctor.repair import build_plan
 from cachedoctor.repair.caches import JOURNAL, cache_roots, earlier_roots, mgds_cache_dir
+from cachedoctor.repair.journal import Journal
 
 from conftest import invoke, scan_paths
 
@@ -166,3 +167,16 @@ def test_undo_says_which_originals_it_cannot_put_back(tmp_path: Path) -> None:
     assert "0 file(s) put back" in result.output
     assert result.output.count("cannot be put back") == 3, result.output
     assert not any(p.exists() for p in before)
+
+
+def test_changed_since_a_fix_run_of_a_onetrainer_config(tmp_path: Path) -> None:
+    """scan <config> --changed-since RUN finds the run in the cache_dir's journal, above the
+    image/ and text/ folders the scan walks."""
+    project = onetrainer.build(tmp_path, {"CD303"})
+    result = invoke("fix", str(project.config), "--yes")
+    assert result.exit_code == 0, result.output
+    with Journal.existing(str(project.root / "workspace-cache" / "run")) as journal:
+        (run,) = journal.runs()
+    run_id = run.run_id
+    scanned = invoke("scan", str(project.config), "--changed-since", run_id, "--fail-on", "never")
+    assert scanned.exit_code == 0, scanned.output
