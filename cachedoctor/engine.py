@@ -19,6 +19,7 @@ import gc
 import itertools
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -430,8 +431,13 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
         return
     import multiprocessing  # only a scan big enough for a pool pays for importing it
 
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    # (asked before _preload_deep, whose numpy starts OpenBLAS's threads in this process)
+    method = start_method()
+    context = multiprocessing.get_context(method)
+    if method != "fork":
+        _preload_server(context)
+        yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
+        return
     # Objects the workers inherit stay out of the collector's way: a collection in a worker
     # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
     if options.deep:
@@ -441,6 +447,50 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
         yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
     finally:
         gc.unfreeze()
+
+
+def start_method() -> str:
+    """How the scan's worker processes start: "fork" (the fastest: a worker inherits everything
+    imported here) unless this process runs other threads, whose locks fork would copy held
+    into the workers, to be waited on forever (a logging, malloc or library lock; torch's,
+    OpenMP's, gloo's, wandb's threads). Then "forkserver" (a clean server process, itself
+    started by fork+exec, forks the workers), or "spawn" where there is none."""
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and not _threaded():
+        return "fork"
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
+def _threaded() -> bool:
+    """Whether a thread other than this one may hold a lock at fork time. Native threads
+    (torch's, OpenMP's, a C library's) are invisible to `threading`: /proc counts them all.
+    torch starts its own at import (and more once a group or CUDA is up): where /proc is not,
+    a process that imported it is taken as threaded."""
+    import threading
+
+    if threading.active_count() > 1:
+        return True
+    try:
+        return len(os.listdir("/proc/self/task")) > 1
+    except OSError:  # no procfs (macOS, Windows)
+        return "torch" in sys.modules
+
+
+def _preload_server(context) -> None:
+    """A forkserver imports cachedoctor once and forks the workers from it (~0.15 s of imports
+    each worker would otherwise pay); it keeps preloading __main__ (the default), so a training
+    script's top level runs once in the server, not once in each worker. A server this process
+    started already keeps what it preloaded. (numpy is not preloaded: its OpenBLAS threads
+    would make the server a threaded process forking workers.)"""
+    if context.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    current = getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"]
+    wanted = [*current, *(m for m in ("cachedoctor.engine",) if m not in current)]
+    context.set_forkserver_preload(wanted)
 
 
 def _preload_deep() -> None:

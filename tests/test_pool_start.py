@@ -1,0 +1,181 @@
+"""A scan's worker pool started from a process that runs other threads (a training script with
+torch.distributed, a logging thread, wandb's): fork would copy a lock another thread holds,
+held, into every worker, and the pre-flight would hang forever. Each scenario runs in its own
+process group under a timeout, so a regression fails the test instead of hanging CI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cachedoctor import engine
+from cachedoctor.layouts import resolve
+from cachedoctor.options import ScanOptions
+from fixtures import BUILDERS, clean
+
+FORK = "fork" in multiprocessing.get_all_start_methods()
+TIMEOUT = 60  # a pooled scan of 14 files takes a few seconds; a deadlocked one, forever
+
+# The script's top level is a library the workers use: its reads take a module-level lock (as a
+# C library's global lock, or a handler's lock, would). A worker forked while another thread of
+# the scanning process holds it waits for it forever; a worker started afresh has its own.
+SCRIPT = textwrap.dedent("""
+    import json
+    import multiprocessing
+    import os
+    import signal
+    import sys
+    import threading
+
+    from cachedoctor import engine
+    from cachedoctor.options import ScanOptions
+
+    LOCK = threading.Lock()
+    _read = engine.read_entry
+
+    def read_entry(entry, *rest):
+        if (os.path.basename(entry.path) == os.environ.get("KILL_ON")
+                and multiprocessing.parent_process() is not None):
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker killed on one file
+        with LOCK:
+            return _read(entry, *rest)
+
+    engine.read_entry = read_entry
+
+    def findings(report):
+        return sorted((f.code, f.path, f.message) for f in report.findings)
+
+    if __name__ == "__main__":
+        cache = sys.argv[1]
+        engine.BATCH = 2  # 7 batches: more than IN_PROCESS_BATCHES, so the scan starts a pool
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with LOCK:
+                held.set()
+                release.wait()
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        held.wait()
+        method = engine.start_method()
+        pooled = engine.scan([cache], ScanOptions(jobs=2, index=False, keep_paths=True))
+        release.set()
+        holder.join()
+        alone = engine.scan([cache], ScanOptions(jobs=1, index=False, keep_paths=True))
+        print(json.dumps({"method": method, "pooled": findings(pooled),
+                          "alone": findings(alone), "files": [pooled.files, alone.files],
+                          "checked": [len(pooled.checked), len(alone.checked)]}))
+""")
+
+
+def _cache(tmp_path: Path) -> Path:
+    cache = tmp_path / "cache"
+    clean.build(cache, n=12)
+    BUILDERS["CD102"](cache)  # an empty file: a finding both scans must make
+    return cache
+
+
+def _run(tmp_path: Path, cache: Path, **env: str) -> dict:
+    """The script run in a process group of its own; on timeout the whole group (its workers
+    and forkserver too) is killed and the test fails."""
+    script = tmp_path / "threaded_launch.py"
+    script.write_text(SCRIPT)
+    child = subprocess.Popen([sys.executable, str(script), str(cache)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **env}, start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        pytest.fail(f"a pooled scan started beside a thread holding a lock hung ({TIMEOUT} s)")
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 0, err
+    return json.loads(out.splitlines()[-1])
+
+
+def test_a_scan_beside_a_thread_holding_a_lock_finishes_with_the_same_findings(
+        tmp_path: Path) -> None:
+    result = _run(tmp_path, _cache(tmp_path))
+    assert result["method"] in ("forkserver", "spawn")
+    assert result["pooled"] == result["alone"]
+    assert any(code == "CD102" for code, _, _ in result["pooled"])
+    assert result["files"] == [13, 13] and result["checked"] == [13, 13]
+
+
+def test_a_worker_killed_beside_a_thread_costs_only_its_file(tmp_path: Path) -> None:
+    """The files of a broken pool are read again one at a time (_isolated), in children started
+    the same way as the pool's."""
+    result = _run(tmp_path, _cache(tmp_path), KILL_ON="latent_007.pt")
+    killed = [(code, path) for code, path, _ in result["pooled"] if code == "CD002"]
+    assert killed == [("CD002", str(tmp_path / "cache" / "latent_007.pt"))]
+    assert [f for f in result["pooled"] if f[0] != "CD002"] == result["alone"]
+    assert result["files"] == [13, 13] and result["checked"] == [13, 13]
+
+
+def _method_in_fresh_process(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=TIMEOUT, check=True).stdout
+    return out.split()[-1]
+
+
+@pytest.mark.skipif(not FORK, reason="no fork on this platform")
+def test_the_single_threaded_command_line_forks_its_workers() -> None:
+    # (a fresh process: pytest's own may run threads, numpy's OpenBLAS pool among them)
+    assert _method_in_fresh_process("""
+        import cachedoctor.cli
+        from cachedoctor import engine
+        print(engine.start_method())
+    """) == "fork"
+
+
+@pytest.mark.skipif(not FORK, reason="no fork on this platform")
+def test_a_python_thread_or_torch_makes_the_workers_start_afresh() -> None:
+    assert _method_in_fresh_process("""
+        import threading
+        from cachedoctor import engine
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+        print(engine.start_method())
+        stop.set()
+    """) == "forkserver"
+    pytest.importorskip("torch")
+    assert _method_in_fresh_process("""
+        import torch
+        from cachedoctor import engine
+        print(engine.start_method())
+    """) == "forkserver"
+
+
+def test_what_a_fresh_worker_is_given_pickles(tmp_path: Path) -> None:
+    """With forkserver or spawn the workers' options and datasets are pickled, not inherited."""
+    from cachedoctor.fixtures.projects import (
+        aitoolkit,
+        diffusion_pipe,
+        kohya,
+        musubi,
+        onetrainer,
+        simpletuner,
+    )
+
+    options = ScanOptions(deep=True, jobs=3, selected=frozenset({"CD101"}), exclude=("*.tmp",),
+                          severity={"CD101": "warning"}, settings={"CD201": {"min-ratio": 2.0}},
+                          shard=(1, 4))
+    assert pickle.loads(pickle.dumps(options)) == options
+    for module in (aitoolkit, diffusion_pipe, kohya, musubi, onetrainer, simpletuner):
+        project = module.build(tmp_path / module.__name__.rsplit(".", 1)[-1])
+        datasets = engine.datasets_of(resolve((str(project.config),)))
+        assert datasets and pickle.loads(pickle.dumps(datasets)) == datasets, module.__name__
