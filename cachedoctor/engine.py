@@ -19,6 +19,7 @@ import gc
 import itertools
 import os
 import pickle
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -320,7 +321,8 @@ def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mappi
 
 
 # The pool's workers get the options and datasets once, at start-up, not with every batch
-# (with fork they are inherited, not even pickled), and make the worker's ScanState of them.
+# (forked, they inherit them; started afresh, they unpickle them), and make the worker's
+# ScanState of them.
 # A worker process serves one scan's pool only: this is that scan's state, not the module's.
 _worker_state: ScanState | None = None
 
@@ -425,9 +427,7 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
     batches_ = iter(batches_)
     first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
     if options.jobs <= 1 or len(first) < IN_PROCESS_BATCHES:
-        state = ScanState(options, rules, datasets)
-        for batch in itertools.chain(first, batches_):
-            yield check_batch(batch, state)
+        yield from _in_process(itertools.chain(first, batches_), options, rules, datasets)
         return
     import multiprocessing  # only a scan big enough for a pool pays for importing it
 
@@ -435,8 +435,20 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
     method = start_method()
     context = multiprocessing.get_context(method)
     if method != "fork":
+        batches_ = itertools.chain(first, batches_)
+        unguarded = _unguarded_main()
+        if unguarded is not None:  # a worker would run the script (its training) again
+            _warn(f"{unguarded} has no `if __name__ == '__main__':` guard, and a worker process "
+                  f"started afresh ({method}: this process runs threads, fork is not safe) would "
+                  f"run it again; its files are read in this process instead")
+            yield from _in_process(batches_, options, rules, datasets)
+            return
         _preload_server(context)
-        yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
+        try:
+            yield from _pooled(batches_, options, datasets, context)
+        except WorkersDidNotStart as exc:
+            _warn(f"{exc}; its files are read in this process instead")
+            yield from _in_process(batches_, options, rules, datasets)
         return
     # Objects the workers inherit stay out of the collector's way: a collection in a worker
     # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
@@ -447,6 +459,44 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
         yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
     finally:
         gc.unfreeze()
+
+
+def _in_process(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rule],
+                datasets: Mapping[str, Dataset]) -> Iterator[ChunkResult]:
+    state = ScanState(options, rules, datasets)
+    for batch in batches_:
+        yield check_batch(batch, state)
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(f"cachedoctor: {message}", RuntimeWarning, stacklevel=3)
+
+
+# A main script's guard, as multiprocessing's docs spell it ("Safe importing of main module")
+_GUARD = re.compile(rb"""^\s*if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)
+
+
+def _unguarded_main() -> str | None:
+    """The main script, if a worker started by forkserver or spawn would run its top level
+    again (multiprocessing imports it as __mp_main__ in every such worker) and it has no
+    `if __name__ == "__main__":` line: a training script's top level would train (or wait for
+    its process group) in every worker. None for a guarded script, `python -c`, a REPL or a
+    package's __main__.py, which multiprocessing leaves alone."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None and (name == "__main__" or name.endswith(".__main__")):
+        return None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return None
+    try:
+        with open(path, "rb") as file:
+            source = file.read()
+    except OSError:  # (it ran, so it was there: one that cannot be read now cannot be judged)
+        return None
+    return None if _GUARD.search(source) else path
 
 
 def start_method() -> str:
@@ -503,20 +553,44 @@ def _preload_deep() -> None:
     nonfinite.preload()
 
 
+class WorkersDidNotStart(Exception):
+    """The first pool of a scan whose workers start afresh (forkserver, spawn) never ran a task:
+    no batch was taken from the scan yet."""
+
+
+def _ready() -> None:
+    """A worker's first task: it started, imported cachedoctor and ran _init_worker."""
+
+
 def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[str, Dataset],
             context) -> Iterator[ChunkResult]:
     """The batches through a pool of `options.jobs` workers, a few in flight per worker. A
     worker that dies (killed for memory, a native crash) breaks the pool: the batches in flight
     then are read again one file at a time (_isolated), which finds the file that kills, and a
-    fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)"""
+    fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)
+
+    Workers that start afresh run the main script's top level again: one that is not guarded by
+    `if __name__ == "__main__":` kills them as they start, which is no file's fault. So the first
+    pool of those runs one empty task before any batch, or raises WorkersDidNotStart."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
+    probe = context.get_start_method() != "fork"
     while True:
         suspects: list[Batch] = []
         broken = False
         with ProcessPoolExecutor(options.jobs, mp_context=context, initializer=_init_worker,
                                  initargs=(options, datasets)) as pool:
+            if probe:
+                try:
+                    pool.submit(_ready).result()
+                except Exception as exc:
+                    raise WorkersDidNotStart(
+                        f"the scan's worker processes did not start ({context.get_start_method()}"
+                        f": {type(exc).__name__}: {exc}); a worker started afresh imports the "
+                        f"main script again, whose top level must be guarded by "
+                        f"`if __name__ == '__main__':`") from exc
+                probe = False
             running = {pool.submit(_check_in_worker, b): b
                        for b in itertools.islice(batches_, 2 * options.jobs)}
             while running:

@@ -85,11 +85,11 @@ def _cache(tmp_path: Path) -> Path:
     return cache
 
 
-def _run(tmp_path: Path, cache: Path, **env: str) -> dict:
+def _run(tmp_path: Path, cache: Path, source: str = SCRIPT, **env: str) -> dict:
     """The script run in a process group of its own; on timeout the whole group (its workers
     and forkserver too) is killed and the test fails."""
     script = tmp_path / "threaded_launch.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     child = subprocess.Popen([sys.executable, str(script), str(cache)], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **env}, start_new_session=True)
@@ -104,7 +104,7 @@ def _run(tmp_path: Path, cache: Path, **env: str) -> dict:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
     assert child.returncode == 0, err
-    return json.loads(out.splitlines()[-1])
+    return {**json.loads(out.splitlines()[-1]), "stdout": out, "stderr": err}
 
 
 def test_a_scan_beside_a_thread_holding_a_lock_finishes_with_the_same_findings(
@@ -124,6 +124,74 @@ def test_a_worker_killed_beside_a_thread_costs_only_its_file(tmp_path: Path) -> 
     assert killed == [("CD002", str(tmp_path / "cache" / "latent_007.pt"))]
     assert [f for f in result["pooled"] if f[0] != "CD002"] == result["alone"]
     assert result["files"] == [13, 13] and result["checked"] == [13, 13]
+
+
+# A training script with no main guard: a worker started afresh would run all of it again.
+UNGUARDED = textwrap.dedent("""
+    import json
+    import sys
+    import threading
+
+    from cachedoctor import engine
+    from cachedoctor.options import ScanOptions
+
+    print("top level ran")
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+    engine.BATCH = 2
+    cache = sys.argv[1]
+    pooled = engine.scan([cache], ScanOptions(jobs=2, index=False))
+    stop.set()
+    alone = engine.scan([cache], ScanOptions(jobs=1, index=False))
+    print(json.dumps({"pooled": sorted(map(repr, pooled.findings)),
+                      "alone": sorted(map(repr, alone.findings)),
+                      "files": [pooled.files, alone.files]}))
+""")
+
+
+def test_an_unguarded_script_is_not_run_again(tmp_path: Path) -> None:
+    result = _run(tmp_path, _cache(tmp_path), UNGUARDED)
+    assert result["stdout"].count("top level ran") == 1
+    assert result["pooled"] == result["alone"] and result["files"] == [13, 13]
+    assert "no `if __name__ == '__main__':` guard" in result["stderr"]
+    assert "read in this process instead" in result["stderr"]
+
+
+# A guarded script whose top level fails in any other process (a worker's, a forkserver's):
+# the workers never start, which is no file's fault.
+NO_WORKERS = textwrap.dedent("""
+    import json
+    import os
+    import sys
+    import threading
+
+    from cachedoctor import engine
+    from cachedoctor.options import ScanOptions
+
+    if os.environ.get("SCAN_PROCESS") not in (None, str(os.getpid())):
+        raise RuntimeError("not in this process")
+
+    if __name__ == "__main__":
+        os.environ["SCAN_PROCESS"] = str(os.getpid())
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+        engine.BATCH = 2
+        cache = sys.argv[1]
+        pooled = engine.scan([cache], ScanOptions(jobs=2, index=False, keep_paths=True))
+        stop.set()
+        alone = engine.scan([cache], ScanOptions(jobs=1, index=False, keep_paths=True))
+        print(json.dumps({"pooled": sorted(map(repr, pooled.findings)),
+                          "alone": sorted(map(repr, alone.findings)),
+                          "files": [pooled.files, alone.files],
+                          "checked": [len(pooled.checked), len(alone.checked)]}))
+""")
+
+
+def test_workers_that_cannot_start_leave_the_files_to_this_process(tmp_path: Path) -> None:
+    result = _run(tmp_path, _cache(tmp_path), NO_WORKERS)
+    assert result["pooled"] == result["alone"] and not any("CD002" in f for f in result["pooled"])
+    assert result["files"] == [13, 13] and result["checked"] == [13, 13]
+    assert "worker processes did not start" in result["stderr"]
 
 
 def _method_in_fresh_process(code: str) -> str:
