@@ -19,7 +19,6 @@ import gc
 import itertools
 import os
 import pickle
-import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -429,36 +428,25 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
     if options.jobs <= 1 or len(first) < IN_PROCESS_BATCHES:
         yield from _in_process(itertools.chain(first, batches_), options, rules, datasets)
         return
-    import multiprocessing  # only a scan big enough for a pool pays for importing it
-
     # (asked before _preload_deep, whose numpy starts OpenBLAS's threads in this process)
-    method = start_method()
-    context = multiprocessing.get_context(method)
-    if method != "fork":
-        batches_ = itertools.chain(first, batches_)
-        unguarded = _unguarded_main()
-        if unguarded is not None:  # a worker would run the script (its training) again
-            _warn(f"{unguarded} has no `if __name__ == '__main__':` guard, and a worker process "
-                  f"started afresh ({method}: this process runs threads, fork is not safe) would "
-                  f"run it again; its files are read in this process instead")
-            yield from _in_process(batches_, options, rules, datasets)
-            return
-        _preload_server(context)
-        try:
-            yield from _pooled(batches_, options, datasets, context)
-        except WorkersDidNotStart as exc:
-            _warn(f"{exc}; its files are read in this process instead")
-            yield from _in_process(batches_, options, rules, datasets)
+    start = pool_start()
+    batches_ = itertools.chain(first, batches_)
+    if start == "fork":
+        yield from _forked(batches_, options, datasets)
         return
-    # Objects the workers inherit stay out of the collector's way: a collection in a worker
-    # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
-    if options.deep:
-        _preload_deep()
-    gc.freeze()
     try:
-        yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
-    finally:
-        gc.unfreeze()
+        if start == "helper":
+            yield from _in_helper(batches_, options, datasets)
+        else:
+            import multiprocessing
+
+            yield from _pooled(batches_, options, datasets, multiprocessing.get_context("spawn"))
+    except WorkersDidNotStart as exc:  # (no batch was taken yet)
+        import warnings
+
+        warnings.warn(f"cachedoctor: {exc}; the files are read in this process instead",
+                      RuntimeWarning, stacklevel=3)
+        yield from _in_process(batches_, options, rules, datasets)
 
 
 def _in_process(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rule],
@@ -468,49 +456,33 @@ def _in_process(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
         yield check_batch(batch, state)
 
 
-def _warn(message: str) -> None:
-    import warnings
+def _forked(batches_: Iterator[Batch], options: ScanOptions,
+            datasets: Mapping[str, Dataset]) -> Iterator[ChunkResult]:
+    import multiprocessing  # only a scan big enough for a pool pays for importing it
 
-    warnings.warn(f"cachedoctor: {message}", RuntimeWarning, stacklevel=3)
-
-
-# A main script's guard, as multiprocessing's docs spell it ("Safe importing of main module")
-_GUARD = re.compile(rb"""^\s*if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)
-
-
-def _unguarded_main() -> str | None:
-    """The main script, if a worker started by forkserver or spawn would run its top level
-    again (multiprocessing imports it as __mp_main__ in every such worker) and it has no
-    `if __name__ == "__main__":` line: a training script's top level would train (or wait for
-    its process group) in every worker. None for a guarded script, `python -c`, a REPL or a
-    package's __main__.py, which multiprocessing leaves alone."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if name is not None and (name == "__main__" or name.endswith(".__main__")):
-        return None
-    path = getattr(main, "__file__", None)
-    if not isinstance(path, str):
-        return None
+    # Objects the workers inherit stay out of the collector's way: a collection in a worker
+    # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
+    if options.deep:
+        _preload_deep()
+    gc.freeze()
     try:
-        with open(path, "rb") as file:
-            source = file.read()
-    except OSError:  # (it ran, so it was there: one that cannot be read now cannot be judged)
-        return None
-    return None if _GUARD.search(source) else path
+        yield from _pooled(batches_, options, datasets, multiprocessing.get_context("fork"))
+    finally:
+        gc.unfreeze()
 
 
-def start_method() -> str:
-    """How the scan's worker processes start: "fork" (the fastest: a worker inherits everything
-    imported here) unless this process runs other threads, whose locks fork would copy held
-    into the workers, to be waited on forever (a logging, malloc or library lock; torch's,
-    OpenMP's, gloo's, wandb's threads). Then "forkserver" (a clean server process, itself
-    started by fork+exec, forks the workers), or "spawn" where there is none."""
+def pool_start() -> str:
+    """How a scan's worker pool starts. "fork" (the fastest: a worker inherits everything
+    imported here) unless this process runs other threads: fork would copy a lock one of them
+    held at that instant (a logging, malloc or library lock; torch's, OpenMP's, gloo's, wandb's
+    threads) into every worker, held for good, and the worker would wait for it forever. Then
+    "helper": a fresh, single-threaded process (started by fork+exec, which copies no lock)
+    forks the workers itself (_in_helper). "spawn" where there is no fork (Windows)."""
     import multiprocessing
 
-    methods = multiprocessing.get_all_start_methods()
-    if "fork" in methods and not _threaded():
-        return "fork"
-    return "forkserver" if "forkserver" in methods else "spawn"
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return "helper" if _threaded() else "fork"
 
 
 def _threaded() -> bool:
@@ -524,23 +496,97 @@ def _threaded() -> bool:
         return True
     try:
         return len(os.listdir("/proc/self/task")) > 1
-    except OSError:  # no procfs (macOS, Windows)
+    except OSError:  # no procfs (macOS)
         return "torch" in sys.modules
 
 
-def _preload_server(context) -> None:
-    """A forkserver imports cachedoctor once and forks the workers from it (~0.15 s of imports
-    each worker would otherwise pay); it keeps preloading __main__ (the default), so a training
-    script's top level runs once in the server, not once in each worker. A server this process
-    started already keeps what it preloaded. (numpy is not preloaded: its OpenBLAS threads
-    would make the server a threaded process forking workers.)"""
-    if context.get_start_method() != "forkserver":
-        return
-    from multiprocessing import forkserver
+class WorkersDidNotStart(Exception):
+    """The workers of a scan never ran a task, and no batch was taken from the scan yet."""
 
-    current = getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"]
-    wanted = [*current, *(m for m in ("cachedoctor.engine",) if m not in current)]
-    context.set_forkserver_preload(wanted)
+
+def _in_helper(batches_: Iterator[Batch], options: ScanOptions,
+               datasets: Mapping[str, Dataset]) -> Iterator[ChunkResult]:
+    """The batches through a pool that a helper process forks: a fresh interpreter, run by
+    fork+exec, that imports cachedoctor alone (~0.2 s) and is single-threaded, as the command
+    line is. Unlike forkserver's or spawn's workers it never imports the caller's main script
+    again (a training script's top level: its imports, once per worker; its training, where it
+    has no `if __name__ == "__main__":`). It asks for each batch as its pool has room (_serve)."""
+    import socket
+    import subprocess
+    from multiprocessing.connection import Connection
+
+    ours, theirs = socket.socketpair()
+    code = (f"import sys; sys.path[:] = {sys.path!r}; "
+            f"from cachedoctor.engine import _serve; _serve({theirs.fileno()})")
+    try:
+        helper = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
+                                  stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        ours.close()
+        raise WorkersDidNotStart(f"the scan's helper process did not start: {exc}") from exc
+    finally:
+        theirs.close()
+    conn = Connection(ours.detach())
+    taken = 0
+    done = False
+    try:
+        conn.send((options, datasets))
+        while True:
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):
+                code_ = helper.wait()
+                if taken == 0:
+                    raise WorkersDidNotStart(f"the scan's helper process exited with status "
+                                             f"{code_} before it read a file") from None
+                raise RuntimeError(f"cachedoctor: the process running the scan's workers "
+                                   f"exited with status {code_} (killed for memory?) before "
+                                   f"the scan was done") from None
+            if kind == "more":
+                batch = next(batches_, None)
+                taken += batch is not None
+                conn.send(batch)
+            elif kind == "result":
+                yield value
+            else:
+                done = True
+                return
+    finally:
+        conn.close()
+        if not done:  # the scan was stopped: its workers go with it (their queues close)
+            helper.kill()
+        helper.wait()
+
+
+def _serve(fd: int) -> None:
+    """The helper process of _in_helper: the options and datasets, then the batches one at a
+    time as its pool asks for them, each result sent back as it comes."""
+    from multiprocessing.connection import Connection
+
+    _quiet_on_interrupt()  # (the caller stops the scan: it closes the connection)
+    conn = Connection(fd)
+
+    def pulled() -> Iterator[Batch]:
+        while True:
+            conn.send(("more", None))
+            batch = conn.recv()
+            if batch is None:
+                return
+            yield batch
+
+    try:
+        options, datasets = conn.recv()
+        batches_ = iter(pulled())
+        first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
+        results = (_in_process(itertools.chain(first, batches_), options,
+                               selected_rules(options), datasets)
+                   if len(first) < IN_PROCESS_BATCHES else
+                   _forked(itertools.chain(first, batches_), options, datasets))
+        for result in results:
+            conn.send(("result", result))
+        conn.send(("end", None))
+    except (EOFError, OSError):  # the caller stopped the scan, or is gone
+        pass
 
 
 def _preload_deep() -> None:
@@ -551,11 +597,6 @@ def _preload_deep() -> None:
 
     crc.fast()
     nonfinite.preload()
-
-
-class WorkersDidNotStart(Exception):
-    """The first pool of a scan whose workers start afresh (forkserver, spawn) never ran a task:
-    no batch was taken from the scan yet."""
 
 
 def _ready() -> None:
@@ -569,7 +610,7 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
     then are read again one file at a time (_isolated), which finds the file that kills, and a
     fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)
 
-    Workers that start afresh run the main script's top level again: one that is not guarded by
+    Spawned workers (Windows) run the main script's top level again: one that is not guarded by
     `if __name__ == "__main__":` kills them as they start, which is no file's fault. So the first
     pool of those runs one empty task before any batch, or raises WorkersDidNotStart."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
