@@ -516,12 +516,13 @@ def _in_helper(batches_: Iterator[Batch], options: ScanOptions,
     from multiprocessing.connection import Connection
 
     ours, theirs = socket.socketpair()
-    code = (f"import sys; sys.path[:] = {sys.path!r}; "
+    path = [entry for entry in sys.path if isinstance(entry, str)]
+    code = (f"import sys; sys.path[:] = {path!r}; "
             f"from cachedoctor.engine import _serve; _serve({theirs.fileno()})")
     try:
         helper = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
                                   stdin=subprocess.DEVNULL)
-    except OSError as exc:
+    except Exception as exc:  # (no sys.executable, say, in an embedded interpreter)
         ours.close()
         raise WorkersDidNotStart(f"the scan's helper process did not start: {exc}") from exc
     finally:
@@ -530,7 +531,11 @@ def _in_helper(batches_: Iterator[Batch], options: ScanOptions,
     taken = 0
     done = False
     try:
-        conn.send((options, datasets))
+        try:
+            conn.send((options, datasets))
+        except Exception as exc:  # what it is given does not pickle, or it died at once
+            raise WorkersDidNotStart(f"the scan's helper process could not be given the "
+                                     f"scan: {type(exc).__name__}: {exc}") from exc
         while True:
             try:
                 kind, value = conn.recv()
@@ -552,10 +557,12 @@ def _in_helper(batches_: Iterator[Batch], options: ScanOptions,
                 done = True
                 return
     finally:
-        conn.close()
-        if not done:  # the scan was stopped: its workers go with it (their queues close)
+        conn.close()  # a helper still at work notices, and shuts its pool down
+        try:
+            helper.wait(timeout=None if done else 10)
+        except subprocess.TimeoutExpired:  # (a batch it waits for may never end: a hung read)
             helper.kill()
-        helper.wait()
+            helper.wait()
 
 
 def _serve(fd: int) -> None:
