@@ -326,10 +326,27 @@ def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mappi
 _worker_state: ScanState | None = None
 
 
-def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset]) -> None:
+def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset],
+                 inherited: tuple | None = None) -> None:
     global _worker_state
     _quiet_on_interrupt()
+    _adopt(inherited)
     _worker_state = ScanState(options, selected_rules(options), datasets)
+
+
+def _inherited() -> tuple | None:
+    """What a forked worker inherits from this process and a fresh one (a helper's, a spawned
+    one) must be given: where S3 buckets live (--endpoint-url, a SimpleTuner config's backends)."""
+    client = sys.modules.get("cachedoctor.remote.client")
+    return None if client is None else (client._default, dict(client._buckets))
+
+
+def _adopt(inherited: tuple | None) -> None:
+    if inherited is not None:
+        from cachedoctor.remote import client
+
+        client._default, buckets = inherited
+        client._buckets.update(buckets)
 
 
 def _quiet_on_interrupt() -> None:
@@ -532,7 +549,7 @@ def _in_helper(batches_: Iterator[Batch], options: ScanOptions,
     done = False
     try:
         try:
-            conn.send((options, datasets))
+            conn.send((options, datasets, _inherited()))
         except Exception as exc:  # what it is given does not pickle, or it died at once
             raise WorkersDidNotStart(f"the scan's helper process could not be given the "
                                      f"scan: {type(exc).__name__}: {exc}") from exc
@@ -582,7 +599,8 @@ def _serve(fd: int) -> None:
             yield batch
 
     try:
-        options, datasets = conn.recv()
+        options, datasets, inherited = conn.recv()
+        _adopt(inherited)
         batches_ = iter(pulled())
         first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
         results = (_in_process(itertools.chain(first, batches_), options,
@@ -628,7 +646,7 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
         suspects: list[Batch] = []
         broken = False
         with ProcessPoolExecutor(options.jobs, mp_context=context, initializer=_init_worker,
-                                 initargs=(options, datasets)) as pool:
+                                 initargs=(options, datasets, _inherited())) as pool:
             if probe:
                 try:
                     pool.submit(_ready).result()
@@ -678,8 +696,8 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
     start = 0
     while start < len(singles):
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_one_by_one, args=(send, singles, start, options, datasets),
-                                daemon=True)
+        child = context.Process(target=_one_by_one, daemon=True,
+                                args=(send, singles, start, options, datasets, _inherited()))
         child.start()
         send.close()
         try:
@@ -699,8 +717,9 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
 
 
 def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,
-                datasets: Mapping[str, Dataset]) -> None:
+                datasets: Mapping[str, Dataset], inherited: tuple | None = None) -> None:
     _quiet_on_interrupt()
+    _adopt(inherited)
     state = ScanState(options, selected_rules(options), datasets)
     for single in singles[start:]:
         send.send(check_batch(single, state))
