@@ -274,3 +274,28 @@ def test_what_a_fresh_worker_is_given_pickles(tmp_path: Path) -> None:
         project = module.build(tmp_path / module.__name__.rsplit(".", 1)[-1])
         datasets = engine.datasets_of(resolve((str(project.config),)))
         assert datasets and pickle.loads(pickle.dumps(datasets)) == datasets, module.__name__
+
+
+# The public pre-flight in a real training process: torch imported, a gloo process group up
+# (its threads), a thread holding a lock the readers take.
+GLOO = SCRIPT.replace('''if __name__ == "__main__":
+''', '''if __name__ == "__main__":
+    import torch.distributed as dist
+
+    import cachedoctor
+
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store",
+                            rank=0, world_size=1)
+''', 1).replace(
+    '''    pooled = engine.scan([cache], ScanOptions(jobs=2, index=False, keep_paths=True))''',
+    '''    pooled = cachedoctor.preflight(cache, fail_on="never", jobs=2, isolated=True, index=False)''',
+    1)
+
+
+def test_preflight_under_a_gloo_group_beside_a_thread_holding_a_lock(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    assert GLOO.count("cachedoctor.preflight(") == 1
+    result = _run(tmp_path, _cache(tmp_path), GLOO)
+    assert result["method"] == "helper"
+    assert result["pooled"] == result["alone"]
+    assert any(code == "CD102" for code, _, _ in result["pooled"])
