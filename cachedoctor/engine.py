@@ -10,6 +10,8 @@ files are read.
 
 No input aborts a run: a reader or a rule that raises gives its file (dataset, config) a CD002
 finding and the others go on, and a worker that dies costs only the file it died on (_pooled).
+The workers are forked from a single-threaded caller (the command line), and by a helper
+process from a threaded one (a training script): pool_start.
 """
 
 from __future__ import annotations
