@@ -299,3 +299,43 @@ def test_preflight_under_a_gloo_group_beside_a_thread_holding_a_lock(tmp_path: P
     assert result["method"] == "helper"
     assert result["pooled"] == result["alone"]
     assert any(code == "CD102" for code, _, _ in result["pooled"])
+
+
+# A scan stopped part-way (the consumer of check_files stops: an exception, Ctrl-C): the
+# helper and its workers go too, and quickly.
+STOPPED = textwrap.dedent("""
+    import json
+    import sys
+    import threading
+    import time
+
+    import psutil
+
+    from cachedoctor import engine
+    from cachedoctor.layouts import resolve
+    from cachedoctor.options import ScanOptions
+
+    if __name__ == "__main__":
+        engine.BATCH = 2
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+        options = ScanOptions(jobs=2, index=False)
+        layouts = resolve((sys.argv[1],))
+        results = engine.check_files(engine.plan(layouts, options), options,
+                                     engine.selected_rules(options), engine.datasets_of(layouts))
+        next(results)
+        helpers = psutil.Process().children(recursive=True)
+        began = time.monotonic()
+        results.close()
+        gone, alive = psutil.wait_procs(helpers, timeout=20)
+        print(json.dumps({"method": engine.pool_start(), "helpers": len(helpers),
+                          "alive": [p.pid for p in alive], "took": time.monotonic() - began}))
+""")
+
+
+def test_a_stopped_scan_leaves_no_process_behind(tmp_path: Path) -> None:
+    pytest.importorskip("psutil")
+    result = _run(tmp_path, _cache(tmp_path), STOPPED)
+    assert result["method"] == "helper"
+    assert result["helpers"] >= 3  # the helper and its two workers
+    assert result["alive"] == [] and result["took"] < 15, result
