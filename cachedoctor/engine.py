@@ -10,6 +10,8 @@ files are read.
 
 No input aborts a run: a reader or a rule that raises gives its file (dataset, config) a CD002
 finding and the others go on, and a worker that dies costs only the file it died on (_pooled).
+The workers are forked from a single-threaded caller (the command line), and by a helper
+process from a threaded one (a training script): pool_start.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import gc
 import itertools
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -319,15 +322,33 @@ def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mappi
 
 
 # The pool's workers get the options and datasets once, at start-up, not with every batch
-# (with fork they are inherited, not even pickled), and make the worker's ScanState of them.
+# (forked, they inherit them; started afresh, they unpickle them), and make the worker's
+# ScanState of them.
 # A worker process serves one scan's pool only: this is that scan's state, not the module's.
 _worker_state: ScanState | None = None
 
 
-def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset]) -> None:
+def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset],
+                 inherited: tuple | None = None) -> None:
     global _worker_state
     _quiet_on_interrupt()
+    _adopt(inherited)
     _worker_state = ScanState(options, selected_rules(options), datasets)
+
+
+def _inherited() -> tuple | None:
+    """What a forked worker inherits from this process and a fresh one (a helper's, a spawned
+    one) must be given: where S3 buckets live (--endpoint-url, a SimpleTuner config's backends)."""
+    client = sys.modules.get("cachedoctor.remote.client")
+    return None if client is None else (client._default, dict(client._buckets))
+
+
+def _adopt(inherited: tuple | None) -> None:
+    if inherited is not None:
+        from cachedoctor.remote import client
+
+        client._default, buckets = inherited
+        client._buckets.update(buckets)
 
 
 def _quiet_on_interrupt() -> None:
@@ -424,23 +445,175 @@ def check_files(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rul
     batches_ = iter(batches_)
     first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
     if options.jobs <= 1 or len(first) < IN_PROCESS_BATCHES:
-        state = ScanState(options, rules, datasets)
-        for batch in itertools.chain(first, batches_):
-            yield check_batch(batch, state)
+        yield from _in_process(itertools.chain(first, batches_), options, rules, datasets)
         return
+    # (asked before _preload_deep, whose numpy starts OpenBLAS's threads in this process)
+    start = pool_start()
+    batches_ = itertools.chain(first, batches_)
+    if start == "fork":
+        yield from _forked(batches_, options, datasets)
+        return
+    try:
+        if start == "helper":
+            yield from _in_helper(batches_, options, datasets)
+        else:
+            import multiprocessing
+
+            yield from _pooled(batches_, options, datasets, multiprocessing.get_context("spawn"))
+    except WorkersDidNotStart as exc:  # (no batch was taken yet)
+        import warnings
+
+        warnings.warn(f"cachedoctor: {exc}; the files are read in this process instead",
+                      RuntimeWarning, stacklevel=3)
+        yield from _in_process(batches_, options, rules, datasets)
+
+
+def _in_process(batches_: Iterable[Batch], options: ScanOptions, rules: list[Rule],
+                datasets: Mapping[str, Dataset]) -> Iterator[ChunkResult]:
+    state = ScanState(options, rules, datasets)
+    for batch in batches_:
+        yield check_batch(batch, state)
+
+
+def _forked(batches_: Iterator[Batch], options: ScanOptions,
+            datasets: Mapping[str, Dataset]) -> Iterator[ChunkResult]:
     import multiprocessing  # only a scan big enough for a pool pays for importing it
 
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
     # Objects the workers inherit stay out of the collector's way: a collection in a worker
     # would otherwise touch (and so copy) every page of them (~7% of a 2-core scan).
     if options.deep:
         _preload_deep()
     gc.freeze()
     try:
-        yield from _pooled(itertools.chain(first, batches_), options, datasets, context)
+        yield from _pooled(batches_, options, datasets, multiprocessing.get_context("fork"))
     finally:
         gc.unfreeze()
+
+
+def pool_start() -> str:
+    """How a scan's worker pool starts. "fork" (the fastest: a worker inherits everything
+    imported here) unless this process runs other threads: fork would copy a lock one of them
+    held at that instant (a logging, malloc or library lock; torch's, OpenMP's, gloo's, wandb's
+    threads) into every worker, held for good, and the worker would wait for it forever. Then
+    "helper": a fresh, single-threaded process (started by fork+exec, which copies no lock)
+    forks the workers itself (_in_helper). "spawn" where there is no fork (Windows)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    return "helper" if _threaded() else "fork"
+
+
+def _threaded() -> bool:
+    """Whether a thread other than this one may hold a lock at fork time. Native threads
+    (torch's, OpenMP's, a C library's) are invisible to `threading`: /proc counts them all.
+    torch starts its own at import (and more once a group or CUDA is up): where /proc is not,
+    a process that imported it is taken as threaded."""
+    import threading
+
+    if threading.active_count() > 1:
+        return True
+    try:
+        return len(os.listdir("/proc/self/task")) > 1
+    except OSError:  # no procfs (macOS)
+        return "torch" in sys.modules
+
+
+class WorkersDidNotStart(Exception):
+    """The workers of a scan never ran a task, and no batch was taken from the scan yet."""
+
+
+def _in_helper(batches_: Iterator[Batch], options: ScanOptions,
+               datasets: Mapping[str, Dataset]) -> Iterator[ChunkResult]:
+    """The batches through a pool that a helper process forks: a fresh interpreter, run by
+    fork+exec, that imports cachedoctor alone (~0.2 s) and is single-threaded, as the command
+    line is. Unlike forkserver's or spawn's workers it never imports the caller's main script
+    again (a training script's top level: its imports, once per worker; its training, where it
+    has no `if __name__ == "__main__":`). It asks for each batch as its pool has room (_serve)."""
+    import socket
+    import subprocess
+    from multiprocessing.connection import Connection
+
+    ours, theirs = socket.socketpair()
+    path = [entry for entry in sys.path if isinstance(entry, str)]
+    code = (f"import sys; sys.path[:] = {path!r}; "
+            f"from cachedoctor.engine import _serve; _serve({theirs.fileno()})")
+    try:
+        helper = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
+                                  stdin=subprocess.DEVNULL)
+    except Exception as exc:  # (no sys.executable, say, in an embedded interpreter)
+        ours.close()
+        raise WorkersDidNotStart(f"the scan's helper process did not start: {exc}") from exc
+    finally:
+        theirs.close()
+    conn = Connection(ours.detach())
+    taken = 0
+    done = False
+    try:
+        try:
+            conn.send((options, datasets, _inherited()))
+        except Exception as exc:  # what it is given does not pickle, or it died at once
+            raise WorkersDidNotStart(f"the scan's helper process could not be given the "
+                                     f"scan: {type(exc).__name__}: {exc}") from exc
+        while True:
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):
+                code_ = helper.wait()
+                if taken == 0:
+                    raise WorkersDidNotStart(f"the scan's helper process exited with status "
+                                             f"{code_} before it read a file") from None
+                raise RuntimeError(f"cachedoctor: the process running the scan's workers "
+                                   f"exited with status {code_} (killed for memory?) before "
+                                   f"the scan was done") from None
+            if kind == "more":
+                batch = next(batches_, None)
+                taken += batch is not None
+                conn.send(batch)
+            elif kind == "result":
+                yield value
+            else:
+                done = True
+                return
+    finally:
+        conn.close()  # a helper still at work notices, and shuts its pool down
+        try:
+            helper.wait(timeout=None if done else 10)
+        except subprocess.TimeoutExpired:  # (a batch it waits for may never end: a hung read)
+            helper.kill()
+            helper.wait()
+
+
+def _serve(fd: int) -> None:
+    """The helper process of _in_helper: the options and datasets, then the batches one at a
+    time as its pool asks for them, each result sent back as it comes."""
+    from multiprocessing.connection import Connection
+
+    _quiet_on_interrupt()  # (the caller stops the scan: it closes the connection)
+    conn = Connection(fd)
+
+    def pulled() -> Iterator[Batch]:
+        while True:
+            conn.send(("more", None))
+            batch = conn.recv()
+            if batch is None:
+                return
+            yield batch
+
+    try:
+        options, datasets, inherited = conn.recv()
+        _adopt(inherited)
+        batches_ = iter(pulled())
+        first = list(itertools.islice(batches_, IN_PROCESS_BATCHES))
+        results = (_in_process(itertools.chain(first, batches_), options,
+                               selected_rules(options), datasets)
+                   if len(first) < IN_PROCESS_BATCHES else
+                   _forked(itertools.chain(first, batches_), options, datasets))
+        for result in results:
+            conn.send(("result", result))
+        conn.send(("end", None))
+    except (EOFError, OSError):  # the caller stopped the scan, or is gone
+        pass
 
 
 def _preload_deep() -> None:
@@ -453,20 +626,39 @@ def _preload_deep() -> None:
     nonfinite.preload()
 
 
+def _ready() -> None:
+    """A worker's first task: it started, imported cachedoctor and ran _init_worker."""
+
+
 def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[str, Dataset],
             context) -> Iterator[ChunkResult]:
     """The batches through a pool of `options.jobs` workers, a few in flight per worker. A
     worker that dies (killed for memory, a native crash) breaks the pool: the batches in flight
     then are read again one file at a time (_isolated), which finds the file that kills, and a
-    fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)"""
+    fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)
+
+    Spawned workers (Windows) run the main script's top level again: one that is not guarded by
+    `if __name__ == "__main__":` kills them as they start, which is no file's fault. So the first
+    pool of those runs one empty task before any batch, or raises WorkersDidNotStart."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
+    probe = context.get_start_method() != "fork"
     while True:
         suspects: list[Batch] = []
         broken = False
         with ProcessPoolExecutor(options.jobs, mp_context=context, initializer=_init_worker,
-                                 initargs=(options, datasets)) as pool:
+                                 initargs=(options, datasets, _inherited())) as pool:
+            if probe:
+                try:
+                    pool.submit(_ready).result()
+                except Exception as exc:
+                    raise WorkersDidNotStart(
+                        f"the scan's worker processes did not start ({context.get_start_method()}"
+                        f": {type(exc).__name__}: {exc}); a worker started afresh imports the "
+                        f"main script again, whose top level must be guarded by "
+                        f"`if __name__ == '__main__':`") from exc
+                probe = False
             running = {pool.submit(_check_in_worker, b): b
                        for b in itertools.islice(batches_, 2 * options.jobs)}
             while running:
@@ -506,8 +698,8 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
     start = 0
     while start < len(singles):
         receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_one_by_one, args=(send, singles, start, options, datasets),
-                                daemon=True)
+        child = context.Process(target=_one_by_one, daemon=True,
+                                args=(send, singles, start, options, datasets, _inherited()))
         child.start()
         send.close()
         try:
@@ -527,8 +719,9 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
 
 
 def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,
-                datasets: Mapping[str, Dataset]) -> None:
+                datasets: Mapping[str, Dataset], inherited: tuple | None = None) -> None:
     _quiet_on_interrupt()
+    _adopt(inherited)
     state = ScanState(options, selected_rules(options), datasets)
     for single in singles[start:]:
         send.send(check_batch(single, state))

@@ -121,8 +121,11 @@ def test_a_dataset_rule_that_raises_costs_that_rule_only(cache: Path, tmp_path: 
 
 
 def _many_batches(cache: Path, monkeypatch, n: int = 12) -> list[Path]:
-    """n clean files in batches of 2: enough batches that the scan starts a worker pool."""
+    """n clean files in batches of 2: enough batches that the scan starts a worker pool.
+    Forked (pytest's process runs threads, so a scan would have a helper start them): the tests'
+    stand-in readers reach the workers by inheritance."""
     monkeypatch.setattr(engine, "BATCH", 2)
+    monkeypatch.setattr(engine, "pool_start", lambda: "fork")
     return clean.build(cache, n=n)
 
 
