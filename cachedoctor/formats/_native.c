@@ -28,14 +28,15 @@
  * With the sign bit cleared both sides are non-negative as signed integers: signed compares,
  * which the vector units have (they have no unsigned ones). */
 VECTOR_CLONES static int any_at_or_above_16(const unsigned char *p, Py_ssize_t count,
-                                            int16_t magnitude, int16_t threshold) {
+                                            int16_t magnitude, int16_t threshold, int zeros) {
     for (Py_ssize_t i = 0; i < count; i += BLOCK) {
         Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;
         int16_t acc = 0;
         for (Py_ssize_t j = i; j < end; j++) {
             int16_t x;
             memcpy(&x, p + 2 * j, 2);
-            acc |= (int16_t)(x & magnitude) >= threshold;
+            int16_t m = (int16_t)(x & magnitude);
+            acc |= (m >= threshold) | (zeros & (m == 0));
         }
         if (acc)
             return 1;
@@ -44,14 +45,15 @@ VECTOR_CLONES static int any_at_or_above_16(const unsigned char *p, Py_ssize_t c
 }
 
 VECTOR_CLONES static int any_at_or_above_32(const unsigned char *p, Py_ssize_t count,
-                                            int32_t magnitude, int32_t threshold) {
+                                            int32_t magnitude, int32_t threshold, int zeros) {
     for (Py_ssize_t i = 0; i < count; i += BLOCK) {
         Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;
         int32_t acc = 0;
         for (Py_ssize_t j = i; j < end; j++) {
             int32_t x;
             memcpy(&x, p + 4 * j, 4);
-            acc |= (x & magnitude) >= threshold;
+            int32_t m = x & magnitude;
+            acc |= (m >= threshold) | (zeros & (m == 0));
         }
         if (acc)
             return 1;
@@ -60,12 +62,15 @@ VECTOR_CLONES static int any_at_or_above_32(const unsigned char *p, Py_ssize_t c
 }
 
 VECTOR_CLONES static int any_at_or_above_8(const unsigned char *p, Py_ssize_t count,
-                                           int8_t magnitude, int8_t threshold) {
+                                           int8_t magnitude, int8_t threshold, int zeros) {
     for (Py_ssize_t i = 0; i < count; i += BLOCK) {
         Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;
         int8_t acc = 0;
         for (Py_ssize_t j = i; j < end; j++)
-            acc |= (int8_t)((int8_t)p[j] & magnitude) >= threshold;
+        {
+            int8_t m = (int8_t)((int8_t)p[j] & magnitude);
+            acc |= (m >= threshold) | (zeros & (m == 0));
+        }
         if (acc)
             return 1;
     }
@@ -73,11 +78,11 @@ VECTOR_CLONES static int any_at_or_above_8(const unsigned char *p, Py_ssize_t co
 }
 
 static int any_at_or_above_64(const unsigned char *p, Py_ssize_t count, uint64_t magnitude,
-                              uint64_t threshold) {
+                              uint64_t threshold, int zeros) {
     for (Py_ssize_t j = 0; j < count; j++) {
         uint64_t x;
         memcpy(&x, p + 8 * j, 8);
-        if ((x & magnitude) >= threshold)
+        if ((x & magnitude) >= threshold || (zeros && (x & magnitude) == 0))
             return 1;
     }
     return 0;
@@ -90,17 +95,17 @@ static int little_endian(void) {
     return first == 1;
 }
 
-/* finite(data, offset, count, itemsize, sign, threshold) -> bool
+/* finite(data, offset, count, itemsize, sign, threshold, zeros) -> bool
  * True when none of the `count` little-endian elements of `itemsize` bytes at byte `offset`
- * of `data` has (bits & ~sign) >= threshold. */
+ * of `data` has (bits & ~sign) >= threshold, nor, with `zeros`, (bits & ~sign) == 0 (+0, -0). */
 static PyObject *native_finite(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
     Py_ssize_t offset, count;
-    int itemsize;
+    int itemsize, zeros;
     unsigned long long sign, threshold;
-    if (!PyArg_ParseTuple(args, "y*nniKK", &view, &offset, &count, &itemsize, &sign,
-                          &threshold))
+    if (!PyArg_ParseTuple(args, "y*nniKKp", &view, &offset, &count, &itemsize, &sign,
+                          &threshold, &zeros))
         return NULL;
     if (!little_endian() || offset < 0 || count < 0 || offset > view.len ||
         (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) ||
@@ -114,16 +119,16 @@ static PyObject *native_finite(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     switch (itemsize) {
     case 1:
-        bad = any_at_or_above_8(p, count, (int8_t)(uint8_t)~sign, (int8_t)threshold);
+        bad = any_at_or_above_8(p, count, (int8_t)(uint8_t)~sign, (int8_t)threshold, zeros);
         break;
     case 2:
-        bad = any_at_or_above_16(p, count, (int16_t)(uint16_t)~sign, (int16_t)threshold);
+        bad = any_at_or_above_16(p, count, (int16_t)(uint16_t)~sign, (int16_t)threshold, zeros);
         break;
     case 4:
-        bad = any_at_or_above_32(p, count, (int32_t)(uint32_t)~sign, (int32_t)threshold);
+        bad = any_at_or_above_32(p, count, (int32_t)(uint32_t)~sign, (int32_t)threshold, zeros);
         break;
     default:
-        bad = any_at_or_above_64(p, count, (uint64_t)~sign, (uint64_t)threshold);
+        bad = any_at_or_above_64(p, count, (uint64_t)~sign, (uint64_t)threshold, zeros);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -226,8 +231,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"finite", native_finite, METH_VARARGS,
-     "finite(data, offset, count, itemsize, sign, threshold): no NaN/Inf encoding among the "
-     "little-endian elements"},
+     "finite(data, offset, count, itemsize, sign, threshold, zeros): no NaN/Inf encoding (and "
+     "with zeros, no +0 or -0) among the little-endian elements"},
     {"span", native_span, METH_VARARGS,
      "span(data, at, literal, mask, prefixes, prefix_len, digits, prefix): a template span's "
      "prefix, or None"},

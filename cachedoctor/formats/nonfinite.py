@@ -104,8 +104,8 @@ def holds_none(data: bytes | memoryview, offset: int, count: int, test: tuple,
     the smallest unsigned view, -0 the smallest signed one). False says only: count them."""
     unsigned, signed, top, signed_top, sign = test
     compiled = native.NATIVE
-    if compiled is not None and sign and not zeros:  # (one pass, in C)
-        return compiled.finite(data, offset, count, unsigned.itemsize, sign, signed_top)
+    if compiled is not None and sign:  # (one pass, in C)
+        return compiled.finite(data, offset, count, unsigned.itemsize, sign, signed_top, zeros)
     frombuffer, largest, smallest = _REDUCTIONS or _reductions()
     bits = frombuffer(data, unsigned, count, offset)
     ints = bits.view(signed)

@@ -67,17 +67,18 @@ def test_every_element_is_judged_as_numpy_judges_it(monkeypatch, dtype):
             block = bytearray(count * size + 3)
             block[3 + at * size : 3 + (at + 1) * size] = word.to_bytes(size, "little")
             data = bytes(block)
-            expected = python_holds_none(monkeypatch, data, 3, count, test)
-            assert compiled.finite(data, 3, count, size, test[4], test[3]) is expected, \
-                (name, hex(word), at)
-            assert nonfinite.holds_none(data, 3, count, test) is expected
+            for zeros in (False, True):
+                expected = bool(python_holds_none(monkeypatch, data, 3, count, test, zeros))
+                assert compiled.finite(data, 3, count, size, test[4], test[3], zeros) is \
+                    expected, (name, hex(word), at, zeros)
+                assert nonfinite.holds_none(data, 3, count, test, zeros) is expected
             if size > 2 or word % 97:  # (every pattern once at each place is enough)
                 break
 
 
 @needs_native
-def test_big_endian_and_zero_tests_stay_with_numpy(monkeypatch):
-    """The C reads little-endian words and tests no zeros: those proofs are numpy's."""
+def test_big_endian_stays_with_numpy(monkeypatch):
+    """The C reads little-endian words: a big-endian proof is numpy's; zeros are either's."""
     data = torch.tensor([1.0, float("nan")], dtype=torch.float16).view(torch.uint8).numpy()
     swapped = data.reshape(-1, 2)[:, ::-1].tobytes()
     big = nonfinite.none_test("float16", big_endian=True)
@@ -91,12 +92,12 @@ def test_big_endian_and_zero_tests_stay_with_numpy(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("args", [
-    (b"\0" * 8, 0, 5, 2, 0x8000, 0x7C00),  # past the end
-    (b"\0" * 8, -1, 1, 2, 0x8000, 0x7C00),
-    (b"\0" * 8, 9, 0, 2, 0x8000, 0x7C00),
-    (b"\0" * 8, 0, 1, 3, 0x8000, 0x7C00),  # no such width
-    (b"\0" * 8, 0, -1, 2, 0x8000, 0x7C00),
-    (b"\0" * 8, 2, 1 << 62, 4, 0x8000_0000, 0x7F80_0000),  # a count whose bytes overflow
+    (b"\0" * 8, 0, 5, 2, 0x8000, 0x7C00, False),  # past the end
+    (b"\0" * 8, -1, 1, 2, 0x8000, 0x7C00, False),
+    (b"\0" * 8, 9, 0, 2, 0x8000, 0x7C00, False),
+    (b"\0" * 8, 0, 1, 3, 0x8000, 0x7C00, False),  # no such width
+    (b"\0" * 8, 0, -1, 2, 0x8000, 0x7C00, False),
+    (b"\0" * 8, 2, 1 << 62, 4, 0x8000_0000, 0x7F80_0000, True),  # bytes that overflow
 ])
 def test_a_range_outside_the_buffer_is_an_error_not_a_read(args):
     with pytest.raises(ValueError):

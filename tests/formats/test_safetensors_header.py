@@ -14,9 +14,20 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from cachedoctor.formats import read_bytes, read_path, safetensors_header
+from cachedoctor.formats import native, read_bytes, read_path, safetensors_header
 from cachedoctor.formats.meta import SAFETENSORS
 from cachedoctor.formats.source import BytesSource
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def checks(request, monkeypatch):
+    """Every test here twice: with the compiled value test (native.py), where it was built, and
+    with numpy's, which every install has (--deep's zeros and NaN/Inf proofs)."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "NATIVE", None)
+    elif native.NATIVE is None:
+        pytest.skip("the C checks were not built here")
+
 
 # torch dtype -> safetensors dtype, for every dtype safetensors.torch can write and the
 # installed torch has (float8_e8m0fnu and float4_e2m1fn_x2 are recent: torch 2.4 has neither)
