@@ -106,6 +106,7 @@ class _Verdict(NamedTuple):
     same: FileMeta  # the file whose facts these are (held, so its id stays its own)
     findings: list[Finding]
     content: Content | None
+    own: list  # the checks that read a file's name and may fire on these facts (Rule.applies)
 
 
 MAX_VERDICTS = 1024
@@ -173,7 +174,8 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     # a twin takes the verdict of the `shared` checks; the checks that read a file's name
     # (Rule.names) judge every file themselves
     shared = [(r.code, r.check_file) for r in state.rules if r.check_file and not r.names]
-    own = [(r.code, r.check_file) for r in state.rules if r.check_file and r.names]
+    named = [r for r in state.rules if r.check_file and r.names]
+    own = [(r.code, r.check_file) for r in named]
     checks = shared + own
     deep, settings = options.deep, options.settings
     dataset = datasets.get(batch.dataset) if datasets and batch.dataset is not None else None
@@ -222,15 +224,16 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
             verdict = verdicts.get(seen)
             if verdict is None or verdict.same is not same:
                 verdict = _Verdict(same, _run(shared, meta, entry, deep, settings, dataset),
-                                   _content(entry.role, meta))
+                                   _content(entry.role, meta),
+                                   _applying(named, meta, entry, deep, settings, dataset))
                 if len(verdicts) >= MAX_VERDICTS:
                     verdicts.clear()
                 verdicts[seen] = verdict
             for found in verdict.findings:
                 findings.append(found if found.path == meta.path
                                 else dataclasses.replace(found, path=meta.path))
-            if own:
-                findings.extend(_run(own, meta, entry, deep, settings, dataset))
+            if verdict.own:
+                findings.extend(_run(verdict.own, meta, entry, deep, settings, dataset))
         else:
             findings.extend(_run(checks, meta, entry, deep, settings, dataset))
         if len(findings) > found_before and meta.stat is not None and not crashed:
@@ -305,6 +308,23 @@ def _content(role: str, meta: FileMeta) -> Content | None:
         return content(role, meta)
     except Exception:  # summarize() meets the same failure, and reports it
         return None
+
+
+def _applying(named: list[Rule], meta: FileMeta, entry: Entry, deep: bool, settings: Mapping,
+              dataset: Dataset | None) -> list:
+    """The (code, check) of the rules in `named` (names=True) that may fire on a file with
+    `meta`'s facts: all but those whose `applies` says none can. One that raises is kept (its
+    check_file then reports the bug, file by file)."""
+    ctx = RuleContext(deep, entry.dataset, settings, entry, dataset)
+    kept = []
+    for rule in named:
+        try:
+            skip = rule.applies is not None and not rule.applies(meta, ctx)
+        except Exception:
+            skip = False
+        if not skip:
+            kept.append((rule.code, rule.check_file))
+    return kept
 
 
 def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mapping,

@@ -45,16 +45,22 @@ def _latent_axis(meta: FileMeta) -> int | None:
     return next((t.shape[1] for t in main_latents(meta) if len(t.shape) == 4), None)
 
 
+def applies(meta: FileMeta, ctx: RuleContext) -> bool:
+    """Whether a file with these facts may be judged at all, whatever its name: a readable
+    musubi safetensors latent whose header gives a frame count."""
+    return meta.format == "safetensors" and not meta.errors and (
+        "format_version" in meta.metadata and "frame_count" in meta.metadata)
+
+
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
-    if meta.format != "safetensors" or meta.errors:
+    if not applies(meta, ctx):
         return None
     name = os.path.basename(meta.path)
     if not name.endswith(".safetensors") or "-" not in name:
         return None
     match = VIDEO_LATENT.match(name)
     # musubi writes frame_count for video clips only: an image named like a clip is no clip
-    if match is None or "format_version" not in meta.metadata or (
-            "frame_count" not in meta.metadata):
+    if match is None:
         return None
     frames = int(match["frames"])
     problems = []
@@ -88,4 +94,5 @@ RULE = Rule(
     fix="quarantine",
     check_file=check,
     names=True,  # (the file's name is read: see rule.py)
+    applies=applies,
 )

@@ -143,9 +143,15 @@ def named_size(meta: FileMeta) -> str | None:
             f"height {height[:20]}")
 
 
+def applies(meta: FileMeta, ctx: RuleContext) -> bool:
+    """Whether a file with these facts may be judged at all, whatever its name: a musubi
+    safetensors cache (its header names a format version and an architecture)."""
+    return meta.format == "safetensors" and "format_version" in meta.metadata and (
+        "architecture" in meta.metadata)
+
+
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
-    if meta.format != "safetensors" or "format_version" not in meta.metadata or (
-            "architecture" not in meta.metadata):
+    if not applies(meta, ctx):
         return None
     found = problems(meta)
     size = named_size(meta)
@@ -166,4 +172,5 @@ RULE = Rule(
     fix="quarantine",
     check_file=check,
     names=True,  # (the file's name is read: see rule.py)
+    applies=applies,
 )

@@ -38,11 +38,20 @@ WHY = {"latent_mask": "with masked_training on (or an inpainting model type)",
        "latent_conditioning_image": "with an inpainting model type"}
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+def applies(meta: FileMeta, ctx: RuleContext) -> bool:
+    """Whether a file with these facts may be judged at all, whatever its name: a sound,
+    safe sample, in a cache OneTrainer reads with sample keys and does not rebuild first."""
     facts = ctx.facts
     needs = facts.options.get("sample_keys") if facts is not None else None
-    if not needs or facts.cache_rebuilt_at_start or meta.errors or meta.unsafe_globals:
+    return bool(needs) and not facts.cache_rebuilt_at_start and not meta.errors and (
+        not meta.unsafe_globals)
+
+
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+    if not applies(meta, ctx):
         return None
+    facts = ctx.facts
+    needs = facts.options.get("sample_keys")
     folder, name = os.path.split(meta.path)
     if not name.endswith(".pt") or not name[:-3].isdigit() or not sample_folder(folder):
         return None
@@ -70,4 +79,5 @@ RULE = Rule(
     fix=FixKind.QUARANTINE,
     check_file=check,
     names=True,  # a sample is told by its name and folder, not its content alone
+    applies=applies,
 )

@@ -38,14 +38,20 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
-def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+def applies(meta: FileMeta, ctx: RuleContext) -> bool:
+    """Whether a file with these facts may be judged at all, whatever its name: a sound text
+    embedding that stores its caption, in a dataset whose captions were read."""
     facts, entry = ctx.facts, ctx.entry
-    if facts is None or entry is None or entry.role != TEXT or meta.errors:
+    return facts is not None and entry is not None and entry.role == TEXT and not meta.errors \
+        and bool(facts.options.get("captions")) and meta.metadata.get("caption1") is not None
+
+
+def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
+    if not applies(meta, ctx):
         return None
+    facts = ctx.facts
     captions = facts.options.get("captions")
     stored = meta.metadata.get("caption1")
-    if not captions or stored is None:
-        return None
     match = TEXT_ENTRY.match(os.path.basename(meta.path))
     if match is None:
         return None
@@ -71,4 +77,5 @@ RULE = Rule(
     fix="quarantine",
     check_file=check,
     names=True,  # (the file's name is read: see rule.py)
+    applies=applies,
 )

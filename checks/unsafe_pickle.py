@@ -60,8 +60,14 @@ def by_design(meta: FileMeta) -> bool:
     return set(meta.unsafe_globals) <= VAE_DISTRIBUTION and bool(MGDS_SAMPLE.search(meta.path))
 
 
+def applies(meta: FileMeta, ctx: RuleContext) -> bool:
+    """Whether a file with these facts may be judged at all, whatever its name (by_design
+    reads the name): a pickle naming a global outside the allow-list."""
+    return bool(meta.unsafe_globals)
+
+
 def check(meta: FileMeta, ctx: RuleContext) -> Finding | None:
-    if not meta.unsafe_globals or by_design(meta):
+    if not applies(meta, ctx) or by_design(meta):
         return None
     names = ", ".join(meta.unsafe_globals[:8])
     if len(meta.unsafe_globals) > 8:
@@ -81,4 +87,5 @@ RULE = Rule(
     fix=FixKind.QUARANTINE,
     check_file=check,
     names=True,  # (the file's name is read: see rule.py)
+    applies=applies,
 )

@@ -124,3 +124,32 @@ def test_a_pool_of_workers_judges_twins_as_one_process_does(tmp_path: Path) -> N
     one = scan_paths(tmp_path / "cache")
     assert len(by_code(one, "CD201")) == 36
     assert scan_paths(tmp_path / "cache", jobs=2).findings == one.findings
+
+
+@pytest.mark.parametrize("admits", [True, False])
+def test_a_names_rule_is_skipped_for_twins_only_where_its_applies_says_so(cache: Path, monkeypatch,
+                                                                        admits: bool) -> None:
+    """A rule that reads a file's name (names=True) runs for every twin unless its `applies`
+    says no file with the twin's facts can draw its finding; a file read in full (a row's
+    first, no twin) runs every check whatever `applies` says."""
+    from cachedoctor.findings import Severity
+    from cachedoctor.rule import Rule
+
+    paths = retained_twins(cache)
+    seen: list[str] = []
+
+    def check(meta, ctx):
+        seen.append(meta.path)
+        return RULE.finding(meta.path, "named", ctx) if meta.path.endswith("1.pt") else None
+
+    RULE = Rule(code="CD998", name="names-spy", severity=Severity.INFO, summary="spy", doc="spy",
+                check_file=check, names=True, applies=lambda meta, ctx: admits)
+    monkeypatch.setitem(RULES, "CD998", RULE)
+    report = scan_paths(cache, extend_select=("CD998",))
+    fired = sorted(f.path for f in by_code(report, "CD998"))
+    if admits:
+        assert sorted(seen) == sorted(str(p) for p in paths)
+        assert fired == sorted(str(p) for p in paths if p.name.endswith("1.pt"))
+    else:  # only the files read in full (the first of each row the walk met) ran it
+        assert sorted(p[-4:] for p in seen) == ["0.pt", "1.pt", "2.pt", "3.pt"]
+        assert fired == [p for p in seen if p.endswith("1.pt")]
