@@ -8,10 +8,10 @@ A rule checks one file, a whole dataset, the trainer configs, or several of thes
   file's facts and entry, never its path or mtime, which it only names: the engine gives
   files with a twin's facts the twin's verdict (engine.ScanState). A rule that must read the
   file's name (musubi names declare sizes and frame counts) says so (`names=True`): the
-  engine then runs it for every file, twin or not, unless its `applies(meta, ctx)`, which
-  reads the facts and entry alone, says no file with these facts can draw its finding
-  (whatever its name): then the twins that share the facts skip it. `check_file` begins
-  with the same `applies`, so the two cannot disagree.
+  engine then runs it for every file, twin or not. Its `applies(meta, ctx)`, which reads the
+  facts and entry alone, may say that no file with these facts can draw its finding, whatever
+  its name. Then the twins sharing those facts skip it. `check_file` begins with the same
+  `applies`, so the two cannot disagree.
 - `check_dataset(view, ctx)` runs once after the files are read, over compact per-file
   summaries and coverage rows, and yields findings.
 - `check_layouts(layouts, ctx)` runs once per scan in the main process, over every Layout,
