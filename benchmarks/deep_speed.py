@@ -18,8 +18,10 @@ interleaved (this machine's speed drifts):
 Target (issue #14): --deep at >= 50% of the plain read's throughput.
 
 Then one process reads every file with --deep under cProfile and splits its time by phase:
-CRC32, inflate, NaN/Inf count (numpy), I/O syscalls, and parse/other (the readers' Python,
-which the profiler slows most: its share is an upper bound).
+CRC32, inflate, NaN/Inf count (numpy's, or the compiled test's: formats/native.py), the
+layout match of twins (zip_templates), I/O syscalls, and parse/other (the readers' Python,
+which the profiler slows most: its share is an upper bound). CACHEDOCTOR_NO_NATIVE=1 runs it
+all without the compiled checks.
 
     python benchmarks/deep_speed.py [--files N] [--shape C,H,W] [--links K] [--jobs J] [--repeats R]
                                     [--dir DIR] [--keep]
@@ -156,8 +158,11 @@ def _phase(func: tuple[str, int, str]) -> str:
         return "CRC32"
     if "decompress" in name:
         return "inflate"
-    if filename.endswith("nonfinite.py") or "numpy" in filename or "numpy" in name:
+    if filename.endswith("nonfinite.py") or "numpy" in filename or "numpy" in name or (
+            "_native.finite" in name):
         return "NaN/Inf count"
+    if "_native.span" in name or filename.endswith("zip_templates.py"):
+        return "layout match"
     if name.startswith("<built-in method posix.") and name[23:-1] in (
             "read", "open", "close", "fstat", "lseek", "pread"):
         return "I/O syscalls"
