@@ -51,7 +51,9 @@ def build(root: str, n: int, unique: int) -> None:
         torch.save(torch.randn(4, 32, 24, generator=gen).half(), odd)
     for tree, count in (("all", n), ("quarter", n // WORLD)):
         for i in range(count):
-            folder = os.path.join(root, tree, f"part{i // PER_DIR:04d}")
+            # an aspect-ratio bucket folder each (a bare cache's other folders are no buckets,
+            # and CD301 compares shapes within a bucket only)
+            folder = os.path.join(root, tree, f"1.{i // PER_DIR:04d}")
             if i % PER_DIR == 0:
                 os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"{i:08d}.pt")
@@ -176,9 +178,12 @@ def main() -> None:
         worst = max(r["peak_mb"] for r in ranks) / baseline["peak_mb"]
         most = max(r["exchanged"] for r in ranks)
         expected = len(range(0, args.files // PER_DIR, ODD_EVERY)) if args.layout == "bare" else 0
+        found = {r["findings"] for r in ranks}
+        agree = len({json.dumps(r["codes"]) + str(r["findings"]) for r in ranks}) == 1
         print(f"worst rank: {worst:.2f}x the baseline's peak RSS; most gathered: "
-              f"{most / 1e6:.3f} MB; CD301 findings expected {expected}, every rank "
-              f"{'agrees' if len({json.dumps(r['codes']) + str(r['findings']) for r in ranks}) == 1 else 'DISAGREES'}")
+              f"{most / 1e6:.3f} MB; CD301 findings expected {expected}, found {sorted(found)}: "
+              f"{'every rank agrees' if agree else 'the ranks DISAGREE'}"
+              f"{'' if found == {expected} else ' (NOT what was expected)'}")
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(root, ignore_errors=True)
