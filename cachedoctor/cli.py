@@ -492,7 +492,6 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
     import dataclasses
 
     from cachedoctor.engine import scan as run_scan
-    from cachedoctor.inventory import STATE_DIR
     from cachedoctor.repair import build_plan
     from cachedoctor.repair.apply import RunStopped
     from cachedoctor.repair.journal import JournalError
@@ -510,10 +509,11 @@ def _fix(targets: list[str], layouts: list[Layout], roots: tuple[str, ...], opti
                     say(note)
             else:
                 _pending_notes(roots)
-            if dry_run or not any(os.path.isdir(os.path.join(r, STATE_DIR)) for r in roots):
-                # fix uses the index a scan or an earlier fix made, and never makes one: a dry
-                # run creates nothing, a fix with nothing to do leaves no folder behind
-                options = dataclasses.replace(options, index=False)
+            # fix uses the index a scan made where the scan keeps it (a OneTrainer config's
+            # scan: in image/, not in the cache_dir holding the repair state), and never makes
+            # one: a fix with nothing to do leaves no folder behind; a dry run writes nothing
+            options = dataclasses.replace(options, index=False) if dry_run else \
+                dataclasses.replace(options, make_index=False)
             report = run_scan(targets, options, layouts=layouts)
             plan = build_plan(report, roots, reencode, include_info=include_info,
                               datasets=datasets_of(layouts))

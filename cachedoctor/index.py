@@ -556,11 +556,15 @@ def _remove(path: str) -> None:
             os.unlink(name)
 
 
-def open_db(root: str, rebuild: bool, notices: list[str]) -> tuple[sqlite3.Connection | None, str | None]:
+def open_db(root: str, rebuild: bool, notices: list[str],
+            make: bool = True) -> tuple[sqlite3.Connection | None, str | None]:
     """The index of `root`, at the first of its places that works: a corrupt one is rebuilt,
-    a locked one skipped (with a notice each); (None, None) when none can be used."""
+    a locked one skipped (with a notice each); (None, None) when none can be used. `make`
+    False: only a place that holds an index already is used (fix's scan makes none)."""
     problems = []
     for n, path in enumerate(places(root)):
+        if not make and not os.path.isfile(path):
+            continue
         try:
             if rebuild:
                 _refuse_links(path, n == 0)
@@ -1167,7 +1171,8 @@ def open_session(roots: list[str], options: Any, rules: list[Any], datasets: Map
     use = options.index and roots
     if not use and options.changed_since is None:
         return None
-    db, where = open_db(roots[0], options.rebuild_index, notices) if use else (None, None)
+    db, where = open_db(roots[0], options.rebuild_index, notices, options.make_index) \
+        if use else (None, None)
     since = None
     if options.changed_since is not None:
         try:

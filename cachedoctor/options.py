@@ -40,13 +40,15 @@ class ScanOptions:
     index: bool = True  # reuse the verdicts of unchanged files (index.py) and record new ones
     rebuild_index: bool = False  # start the index afresh
     changed_since: str | None = None  # report file findings of files changed since (index.py)
+    make_index: bool = True  # False: use an index that exists, never make one (fix's scan)
 
     def __reduce__(self):
         return (
             ScanOptions,
             (self.deep, self.jobs, self.selected, self.exclude,
              dict(self.severity), {k: dict(v) for k, v in self.settings.items()}, self.shard,
-             self.keep_paths, self.index, self.rebuild_index, self.changed_since),
+             self.keep_paths, self.index, self.rebuild_index, self.changed_since,
+             self.make_index),
         )
 
     def enabled(self, code: str) -> bool:

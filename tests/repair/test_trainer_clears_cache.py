@@ -3,6 +3,7 @@ undo keeps working after it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -180,3 +181,26 @@ def test_changed_since_a_fix_run_of_a_onetrainer_config(tmp_path: Path) -> None:
     run_id = run.run_id
     scanned = invoke("scan", str(project.config), "--changed-since", run_id, "--fail-on", "never")
     assert scanned.exit_code == 0, scanned.output
+
+
+def test_fix_uses_the_index_a_scan_made_and_never_makes_one(tmp_path: Path) -> None:
+    """fix's scan uses the index where a scan keeps it (for a OneTrainer config: in image/,
+    while the repair state is in the cache_dir) and never makes one, not even on a second run,
+    when the cache_dir already holds its state."""
+    import sqlite3
+
+    project = onetrainer.build(tmp_path, {"CD303"})
+    for _ in range(2):
+        result = invoke("fix", str(project.config), "--yes")
+        assert result.exit_code == 0, result.output
+    assert list(project.root.rglob("index.sqlite")) == []
+    assert invoke("scan", str(project.config), "--fail-on", "never").exit_code == 0
+    (made,) = project.root.rglob("index.sqlite")
+
+    def scans() -> int:
+        with contextlib.closing(sqlite3.connect(made)) as db:
+            return db.execute("SELECT count(*) FROM scans").fetchone()[0]
+
+    before = scans()
+    assert invoke("fix", str(project.config), "--yes").exit_code == 0
+    assert scans() == before + 1 and list(project.root.rglob("index.sqlite")) == [made]
