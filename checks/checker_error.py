@@ -1,7 +1,8 @@
 """## What it does
 Reports a file (or a dataset, or a trainer config) that cachedoctor itself failed on: a reader
 or a rule raised an exception, or the worker process checking the file died (killed by the
-kernel's out-of-memory killer, a crash in a native library). The finding names the part of
+kernel's out-of-memory killer, a crash in a native library), or its read did not finish within
+five minutes (a hung filesystem: the worker is stopped and the scan goes on). The finding names the part of
 cachedoctor that failed, the exception's type and a short message.
 
 ## Why is this bad?
@@ -58,6 +59,14 @@ def died(path: str, exitcode: int | None, dataset: str | None = None) -> Finding
     return _finding(path, f"the worker process checking this file {how} (out of memory, or a "
                           "crash in a native library: a cachedoctor bug); it was not judged",
                     dataset, stage="worker", exitcode=exitcode)
+
+
+def stalled(path: str, seconds: float, dataset: str | None = None) -> Finding:
+    """The finding for a file whose read had not finished after `seconds` (a hung read)."""
+    return _finding(path, f"reading this file did not finish within {seconds:g} s (a hung "
+                          "filesystem: a dead network mount, a FUSE filesystem that stopped "
+                          "answering?); the worker reading it was stopped and it was not judged",
+                    dataset, stage="reading", timeout=seconds)
 
 
 def _finding(path: str, message: str, dataset: str | None, **details: object) -> Finding:
