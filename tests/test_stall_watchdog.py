@@ -34,7 +34,8 @@ SCRIPT = textwrap.dedent("""
     from cachedoctor import engine
     from cachedoctor.options import ScanOptions
 
-    engine.BATCH = 2  # 7 batches: more than IN_PROCESS_BATCHES, so the scan starts a pool
+    engine.BATCH = int(os.environ.get("BATCH", "2"))  # 2: 7 batches, more than
+    # IN_PROCESS_BATCHES, so the scan starts a pool
     engine.pool_start = lambda: "fork"
     engine.STALL_SECONDS = float(os.environ["STALL_SECONDS"])
     _read = engine.read_entry
@@ -139,7 +140,8 @@ def test_a_read_that_never_returns_in_a_batch_read_again_file_by_file(tmp_path: 
 
 
 def test_a_slow_read_that_progresses_is_not_stopped(tmp_path: Path) -> None:
-    result = _run(tmp_path, EACH="0.3")  # 0.3 s a file, 2 a batch: each file well within 1 s
+    # 0.4 s a file, 4 a batch: each file well within 1 s, each batch past it
+    result = _run(tmp_path, EACH="0.4", BATCH="4")
     assert not [f for f in result["pooled"] if f[0] == "CD002"]
     assert result["pooled"] == result["alone"]
     assert result["files"] == 13
