@@ -24,19 +24,17 @@ pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_meth
 
 TIMEOUT = 60  # a watched scan of 13 files takes a few seconds; an unwatched one, forever
 
-SCRIPT = textwrap.dedent("""
-    import json
+# The stand-in reader, imported by the script and (as sitecustomize) by a helper process.
+PATCH = textwrap.dedent("""
     import multiprocessing
     import os
-    import sys
     import time
 
     from cachedoctor import engine
-    from cachedoctor.options import ScanOptions
 
     engine.BATCH = int(os.environ.get("BATCH", "2"))  # 2: 7 batches, more than
     # IN_PROCESS_BATCHES, so the scan starts a pool
-    engine.pool_start = lambda: "fork"
+    engine.pool_start = lambda: os.environ.get("POOL_START", "fork")
     engine.STALL_SECONDS = float(os.environ["STALL_SECONDS"])
     _read = engine.read_entry
 
@@ -52,6 +50,17 @@ SCRIPT = textwrap.dedent("""
         return _read(entry, *rest)
 
     engine.read_entry = read_entry
+""")
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import os
+    import sys
+    import time
+
+    import stall_patch  # noqa: F401
+    from cachedoctor import engine
+    from cachedoctor.options import ScanOptions
 
     def findings(report):
         return sorted((f.code, f.path, f.message) for f in report.findings)
@@ -89,6 +98,7 @@ def _run(tmp_path: Path, **env: str) -> dict:
     cache = _cache(tmp_path)
     script = tmp_path / "stalled_scan.py"
     script.write_text(SCRIPT)
+    (tmp_path / "stall_patch.py").write_text(PATCH)
     child = subprocess.Popen([sys.executable, str(script), str(cache)], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "STALL_SECONDS": "1", **env},
@@ -114,6 +124,19 @@ def _stall_message(result: dict, name: str) -> list:
 
 def test_a_read_that_never_returns_costs_only_its_file(tmp_path: Path) -> None:
     result = _run(tmp_path, STALL_ON="latent_005.pt")
+    _assert_stalled_alone(result)
+
+
+def test_a_read_that_never_returns_in_a_helpers_pool_costs_only_its_file(tmp_path: Path) -> None:
+    """A threaded caller's helper process runs the pool (and so the watchdog) itself: it gets
+    the stand-in reader as its sitecustomize."""
+    (tmp_path / "sitecustomize.py").write_text("import stall_patch  # noqa: F401\n")
+    result = _run(tmp_path, STALL_ON="latent_005.pt", POOL_START="helper",
+                  PYTHONPATH=str(tmp_path))
+    _assert_stalled_alone(result)
+
+
+def _assert_stalled_alone(result: dict) -> None:
     assert result["took"] < 15  # the stall (1 s) and a re-read of the batches in flight
     assert _stall_message(result, "latent_005.pt") == [
         ("CD002", "reading this file did not finish within 1 s (a hung filesystem: a dead "
