@@ -1,14 +1,17 @@
 """## What it does
 Reports a file (or a dataset, or a trainer config) that cachedoctor itself failed on: a reader
 or a rule raised an exception, or the worker process checking the file died (killed by the
-kernel's out-of-memory killer, a crash in a native library), or its read did not finish within
-five minutes (a hung filesystem: the worker is stopped and the scan goes on). The finding names the part of
-cachedoctor that failed, the exception's type and a short message.
+kernel's out-of-memory killer, a crash in a native library). Also a file whose read did not
+finish within five minutes (a hung filesystem): its worker is stopped and the scan goes on.
+The finding names the part of cachedoctor that failed, the exception's type and a short
+message.
 
 ## Why is this bad?
 The file was not judged, so nothing is known about it: it may be fine, or it may be exactly
 the kind of hostile or damaged file the checker should have caught. It is a bug in
-cachedoctor (please report it, with the finding); the scan went on with every other file.
+cachedoctor (please report it, with the finding), except a read that did not finish: that is
+the filesystem's (a dead network mount, a FUSE filesystem that stopped answering). The scan
+went on with every other file.
 
 ## Example
 ```
