@@ -360,7 +360,8 @@ def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mappi
 _worker_state: ScanState | None = None
 # A pool worker's mark of the file it starts (None: the batch is done); None in-process.
 _progress: Callable[[str | None], None] | None = None
-_PATH_BYTES = 4096  # a longer path is cut: the parent then misses its stall, and _isolated's
+_PATH_BYTES = 4096  # a longer path is cut: matching no file, its file is read again in
+# _isolated, whose own watch then reports it
 
 
 class _Watch:
