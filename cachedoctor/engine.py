@@ -10,18 +10,24 @@ files are read.
 
 No input aborts a run: a reader or a rule that raises gives its file (dataset, config) a CD002
 finding and the others go on, and a worker that dies costs only the file it died on (_pooled).
+A read that never returns (a dead network mount, a FUSE filesystem that stopped answering)
+costs only its file too: each worker marks in shared memory the file it is on and since when
+(_Watch), and a file still unfinished after STALL_SECONDS gets a CD002 finding and its worker
+is killed; it is never read again (_pooled, _isolated).
 The workers are forked from a single-threaded caller (the command line), and by a helper
 process from a threaded one (a training script): pool_start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
 import os
 import pickle
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -56,6 +62,7 @@ from cachedoctor.summary import (
 
 BATCH = 1024  # files per task sent to a worker (256: 15% slower on two cores, more hand-offs)
 IN_PROCESS_BATCHES = 3  # fewer batches than this are read without starting a pool
+STALL_SECONDS = 300.0  # a file whose read has not finished by then is reported, not waited for
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,8 @@ def check_batch(batch: Batch, state: ScanState) -> ChunkResult:
                                                           e.dataset) for e in entries],
                            [], [e.path for e in entries] if options.keep_paths else [], [])
     finally:
+        if _progress is not None:
+            _progress(None)
         if remote:
             reader.forget()
         if collecting:
@@ -190,7 +199,10 @@ def _check_batch(batch: Batch, state: ScanState) -> ChunkResult:
     roles = index.recorded_roles(batch.area) if scope else ()
     # (asked per latent only of a naming whose facts may come from another file)
     own_facts = type(naming).facts_of_its_own is DirectoryNaming.facts_of_its_own
+    progress = _progress
     for entry, given in sharded.expand(batch.entries(options.exclude), deep, batch.directory):
+        if progress is not None:
+            progress(entry.path)
         files += 1
         found_before = len(findings)
         # recorded with the stat its reader took before reading: a later change shows next scan
@@ -346,14 +358,62 @@ def _run(checks: list, meta: FileMeta, entry: Entry, deep: bool, settings: Mappi
 # ScanState of them.
 # A worker process serves one scan's pool only: this is that scan's state, not the module's.
 _worker_state: ScanState | None = None
+# A pool worker's mark of the file it starts (None: the batch is done); None in-process.
+_progress: Callable[[str | None], None] | None = None
+_PATH_BYTES = 4096  # a longer path is cut: matching no file, its file is read again in
+# _isolated, whose own watch then reports it
+
+
+class _Watch:
+    """What a pool's workers are reading, in shared memory: per worker slot its pid, the file
+    it is on and since when (time.monotonic, 0 between batches). A plain store per file, no
+    message: the parent looks only when no batch has come back for a while."""
+
+    def __init__(self, context, slots: int) -> None:
+        self.taken = context.Value("i", 0)
+        self.pids = context.RawArray("i", slots)
+        self.since = context.RawArray("d", slots)
+        self.paths = [context.RawArray("c", _PATH_BYTES) for _ in range(slots)]
+
+    def claim(self) -> Callable[[str | None], None] | None:
+        """A worker's slot (at its start), as the callable that marks its progress."""
+        with self.taken.get_lock():
+            slot = self.taken.value
+            self.taken.value += 1
+        if slot >= len(self.pids):  # (a replaced worker: never, without max_tasks_per_child)
+            return None
+        self.pids[slot] = os.getpid()
+        since, path = self.since, self.paths[slot]
+
+        def progress(file: str | None) -> None:
+            if file is None:
+                since[slot] = 0.0
+            else:  # the path first: the parent reads it only once its time is old
+                path.value = os.fsencode(file)[:_PATH_BYTES - 1]
+                since[slot] = time.monotonic()
+
+        return progress
+
+    def stalled(self, limit: float) -> list[tuple[int, str]]:
+        """(pid, path) of each worker on the same file for more than `limit` seconds."""
+        now = time.monotonic()
+        found = []
+        for slot, pid in enumerate(self.pids):
+            began = self.since[slot]
+            if pid and began and now - began > limit:
+                path = os.fsdecode(self.paths[slot].value)
+                if self.since[slot] == began:  # (not moved on while the path was read)
+                    found.append((pid, path))
+        return found
 
 
 def _init_worker(options: ScanOptions, datasets: Mapping[str, Dataset],
-                 inherited: tuple | None = None) -> None:
-    global _worker_state
+                 inherited: tuple | None = None, watch: _Watch | None = None) -> None:
+    global _worker_state, _progress
     _quiet_on_interrupt()
     _adopt(inherited)
     _worker_state = ScanState(options, selected_rules(options), datasets)
+    _progress = watch.claim() if watch is not None else None
 
 
 def _inherited() -> tuple | None:
@@ -656,6 +716,8 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
     worker that dies (killed for memory, a native crash) breaks the pool: the batches in flight
     then are read again one file at a time (_isolated), which finds the file that kills, and a
     fresh pool takes the rest. (multiprocessing.Pool would wait forever for a dead worker's batch.)
+    A worker on one file for more than STALL_SECONDS (a hung read) is killed the same way, and
+    that file is reported instead of read again.
 
     Spawned workers (Windows) run the main script's top level again: one that is not guarded by
     `if __name__ == "__main__":` kills them as they start, which is no file's fault. So the first
@@ -664,11 +726,13 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
     from concurrent.futures.process import BrokenProcessPool
 
     probe = context.get_start_method() != "fork"
+    stalled: set[str] = set()  # the files whose read did not finish: never read again
     while True:
         suspects: list[Batch] = []
         broken = False
+        watch = _Watch(context, options.jobs)
         with ProcessPoolExecutor(options.jobs, mp_context=context, initializer=_init_worker,
-                                 initargs=(options, datasets, _inherited())) as pool:
+                                 initargs=(options, datasets, _inherited(), watch)) as pool:
             if probe:
                 try:
                     pool.submit(_ready).result()
@@ -682,7 +746,13 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
             running = {pool.submit(_check_in_worker, b): b
                        for b in itertools.islice(batches_, 2 * options.jobs)}
             while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                done, _ = wait(running, timeout=_poll(), return_when=FIRST_COMPLETED)
+                if not done and _stop_stalled(watch, stalled):
+                    # (not waiting for the pool to notice: a process in uninterruptible sleep
+                    # may outlive SIGKILL; nor for its manager thread, which joins it)
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    broken = True
+                    break
                 for future in done:
                     batch = running.pop(future)
                     try:
@@ -698,9 +768,33 @@ def _pooled(batches_: Iterator[Batch], options: ScanOptions, datasets: Mapping[s
                     running[pool.submit(_check_in_worker, batch)] = batch
             suspects.extend(running.values())
         for batch in suspects:
-            yield from _isolated(batch, options, datasets, context)
+            yield from _isolated(batch, options, datasets, context, stalled)
         if not broken:
             return
+
+
+def _poll() -> float:
+    """How long _pooled waits for a batch before it looks for a stalled worker."""
+    return max(0.05, min(STALL_SECONDS / 4, 10.0))
+
+
+def _stop_stalled(watch: _Watch, stalled: set[str]) -> bool:
+    """Kill each worker stuck on one file past STALL_SECONDS, adding its file to `stalled`."""
+    import signal
+
+    hung = watch.stalled(STALL_SECONDS)
+    for pid, path in hung:
+        stalled.add(path)
+        with contextlib.suppress(OSError):  # (it ended on its own)
+            os.kill(pid, getattr(signal, "SIGKILL", signal.SIGTERM))
+    return bool(hung)
+
+
+def _stall_result(single: Batch, options: ScanOptions) -> ChunkResult:
+    entries = list(single.entries(options.exclude))
+    return ChunkResult(len(entries), 0,
+                       [crash.stalled(e.path, STALL_SECONDS, e.dataset) for e in entries],
+                       [], [e.path for e in entries] if options.keep_paths else [], [])
 
 
 def _singles(batch: Batch) -> list[Batch]:
@@ -710,11 +804,17 @@ def _singles(batch: Batch) -> list[Batch]:
 
 
 def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset],
-              context) -> Iterator[ChunkResult]:
+              context, stalled: set[str] = frozenset()) -> Iterator[ChunkResult]:
     """`batch` read one file at a time in a child process that reports each file as it is done;
     when the child dies, the file it was on gets a CD002 finding and a new child goes on with
-    the next."""
-    singles = _singles(batch)
+    the next. A file in `stalled`, or one the child has not finished after STALL_SECONDS
+    (the child is then killed), gets a CD002 finding instead of being read (again)."""
+    singles = []
+    for single in _singles(batch):
+        if stalled and any(e.path in stalled for e in single.entries(options.exclude)):
+            yield _stall_result(single, options)
+        else:
+            singles.append(single)
     start = 0
     while start < len(singles):
         receive, send = context.Pipe(duplex=False)
@@ -722,8 +822,15 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
                                 args=(send, singles, start, options, datasets, _inherited()))
         child.start()
         send.close()
+        killed = False
         try:
             while start < len(singles):
+                if not receive.poll(STALL_SECONDS):  # (a dead child's EOF ends the poll too)
+                    killed = True
+                    child.kill()
+                    yield _stall_result(singles[start], options)
+                    start += 1
+                    break
                 yield receive.recv()
                 start += 1
         except (EOFError, OSError, pickle.UnpicklingError):  # the child died on singles[start]
@@ -735,7 +842,20 @@ def _isolated(batch: Batch, options: ScanOptions, datasets: Mapping[str, Dataset
             start += 1
         finally:
             receive.close()
-            child.join()
+            if killed:
+                _abandon(child)
+            else:
+                child.join()
+
+
+def _abandon(child) -> None:
+    """A killed child given a moment to go; one in uninterruptible sleep (a hung NFS read)
+    may not, and is left behind, even by multiprocessing's exit, which would join it."""
+    child.join(timeout=1)
+    if child.is_alive():
+        import multiprocessing.process
+
+        multiprocessing.process._children.discard(child)
 
 
 def _one_by_one(send, singles: list[Batch], start: int, options: ScanOptions,

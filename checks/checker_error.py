@@ -1,13 +1,17 @@
 """## What it does
 Reports a file (or a dataset, or a trainer config) that cachedoctor itself failed on: a reader
 or a rule raised an exception, or the worker process checking the file died (killed by the
-kernel's out-of-memory killer, a crash in a native library). The finding names the part of
-cachedoctor that failed, the exception's type and a short message.
+kernel's out-of-memory killer, a crash in a native library). Also a file whose read did not
+finish within five minutes (a hung filesystem): its worker is stopped and the scan goes on.
+The finding names the part of cachedoctor that failed, the exception's type and a short
+message.
 
 ## Why is this bad?
 The file was not judged, so nothing is known about it: it may be fine, or it may be exactly
 the kind of hostile or damaged file the checker should have caught. It is a bug in
-cachedoctor (please report it, with the finding); the scan went on with every other file.
+cachedoctor (please report it, with the finding), except a read that did not finish: that is
+the filesystem's (a dead network mount, a FUSE filesystem that stopped answering). The scan
+went on with every other file.
 
 ## Example
 ```
@@ -58,6 +62,14 @@ def died(path: str, exitcode: int | None, dataset: str | None = None) -> Finding
     return _finding(path, f"the worker process checking this file {how} (out of memory, or a "
                           "crash in a native library: a cachedoctor bug); it was not judged",
                     dataset, stage="worker", exitcode=exitcode)
+
+
+def stalled(path: str, seconds: float, dataset: str | None = None) -> Finding:
+    """The finding for a file whose read had not finished after `seconds` (a hung read)."""
+    return _finding(path, f"reading this file did not finish within {seconds:g} s (a hung "
+                          "filesystem: a dead network mount, a FUSE filesystem that stopped "
+                          "answering?); the worker reading it was stopped and it was not judged",
+                    dataset, stage="reading", timeout=seconds)
 
 
 def _finding(path: str, message: str, dataset: str | None, **details: object) -> Finding:
