@@ -49,6 +49,28 @@ def run_cli(*args: str, cwd: os.PathLike | str | None = None, env: dict | None =
                           text=True, cwd=cwd, env=full_env, timeout=timeout)
 
 
+def run_in_group(args: list[str], timeout: float, hang: str, **popen) -> tuple[str, str]:
+    """`args` run in a process group of its own: (stdout, stderr) of a run that exits 0. On
+    timeout the whole group (the scan's helper and workers too) is killed and the test fails,
+    saying `hang` happened; a run that fails fails the test with its stderr."""
+    import signal
+
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, **popen)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        pytest.fail(f"{hang} ({timeout} s)")
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 0, err
+    return out, err
+
+
 def invoke(*args: str):
     """The CLI in-process (much faster than run_cli): exit_code, stdout and stderr."""
     from typer.testing import CliRunner

@@ -10,7 +10,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,8 @@ from cachedoctor import engine
 from cachedoctor.layouts import resolve
 from cachedoctor.options import ScanOptions
 from fixtures import BUILDERS, clean
+
+from conftest import run_in_group
 
 FORK = "fork" in multiprocessing.get_all_start_methods()
 TIMEOUT = 60  # a pooled scan of 14 files takes a few seconds; a deadlocked one, forever
@@ -94,20 +95,9 @@ def _run(tmp_path: Path, cache: Path, source: str = SCRIPT, **env: str) -> dict:
     and helper too) is killed and the test fails."""
     script = tmp_path / "threaded_launch.py"
     script.write_text(source)
-    child = subprocess.Popen([sys.executable, str(script), str(cache)], cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, **env}, start_new_session=True)
-    try:
-        out, err = child.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        pytest.fail(f"a pooled scan started beside a thread holding a lock hung ({TIMEOUT} s)")
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-    assert child.returncode == 0, err
+    out, err = run_in_group([sys.executable, str(script), str(cache)], TIMEOUT,
+                            "a pooled scan started beside a thread holding a lock hung",
+                            cwd=tmp_path, env={**os.environ, **env})
     return {**json.loads(out.splitlines()[-1]), "stdout": out, "stderr": err}
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from fixtures import BUILDERS, clean
+
+from conftest import run_in_group
 
 pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
                                 reason="the stand-in reader reaches forked workers only")
@@ -99,21 +99,9 @@ def _run(tmp_path: Path, **env: str) -> dict:
     script = tmp_path / "stalled_scan.py"
     script.write_text(SCRIPT)
     (tmp_path / "stall_patch.py").write_text(PATCH)
-    child = subprocess.Popen([sys.executable, str(script), str(cache)], cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "STALL_SECONDS": "1", **env},
-                             start_new_session=True)
-    try:
-        out, err = child.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        pytest.fail(f"a scan with a read that never returns hung ({TIMEOUT} s)")
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-    assert child.returncode == 0, err
+    out, _ = run_in_group([sys.executable, str(script), str(cache)], TIMEOUT,
+                          "a scan with a read that never returns hung", cwd=tmp_path,
+                          env={**os.environ, "STALL_SECONDS": "1", **env})
     return {**json.loads(out.splitlines()[-1]), "cache": cache}
 
 

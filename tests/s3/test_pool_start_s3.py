@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 from s3_helpers import Bucket, s3_bucket, s3_server  # noqa: F401 (fixtures)
 
 from cachedoctor.fixtures import BUILDERS
 from cachedoctor.fixtures.clean import build as clean
+
+from conftest import run_in_group
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -52,16 +51,8 @@ def test_a_helpers_workers_are_told_where_the_bucket_is(s3: Bucket, tmp_path: Pa
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     script = tmp_path / "launch.py"
     script.write_text(SCRIPT)
-    child = subprocess.Popen([sys.executable, str(script), s3.url("runs"), endpoint],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        out, err = child.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        pytest.fail("the pooled scan of a bucket did not finish")
-    assert child.returncode == 0, err
+    out, _ = run_in_group([sys.executable, str(script), s3.url("runs"), endpoint], 90,
+                          "the pooled scan of a bucket did not finish")
     result = json.loads(out.splitlines()[-1])
     assert result["start"] == "helper"
     assert result["files"] == [7, 7]
