@@ -32,18 +32,32 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+CHUNK = 1 << 20  # what a file that grows while it is read is read on by
+
+
+def read_upto(fd: int, size: int, limit: int) -> bytes:
+    """The bytes of the open file `fd`, whose fstat said `size`, up to `limit` + 1 of them
+    (more than `limit` tells the caller it is too big). One read of `size` and a byte more to
+    see the end; a file that grows meanwhile is read on in small reads: os.read reserves what
+    it is asked for, so asking for `limit` would reserve it for every small file."""
+    parts, total = [], 0
+    want = size + 1
+    while total <= limit and (chunk := os.read(fd, min(want, limit + 1 - total))):
+        parts.append(chunk)
+        total += len(chunk)
+        want = min(CHUNK, max(4096, total))
+    return b"".join(parts)
+
+
 def read_small(path: str, limit: int) -> bytes | None:
     """At most `limit` + 1 bytes of `path` (more than `limit` tells the caller it is too big),
     or None when it cannot be read or is no regular file."""
     try:
-        fd, _ = open_regular(path)
+        fd, st = open_regular(path)
     except OSError:
         return None
     try:
-        raw = b""
-        while len(raw) <= limit and (chunk := os.read(fd, limit + 1 - len(raw))):
-            raw += chunk
-        return raw
+        return read_upto(fd, st.st_size, limit)
     except OSError:
         return None
     finally:

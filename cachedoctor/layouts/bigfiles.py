@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from cachedoctor.regular_files import open_regular
+from cachedoctor.regular_files import open_regular, read_upto
 
 CHUNK = 1 << 20
 # One entry of a streamed object: a kohya entry (caption, tags, train_resolution) or a
@@ -62,17 +62,10 @@ def read_whole(path: str, limit: int) -> bytes:
     try:
         if st.st_size > limit:
             raise BeyondLimit(st.st_size, limit)
-        parts, total = [], 0
-        # one read of what fstat says and a byte more to see the end; a file that grows
-        # meanwhile is read on in small reads, os.read reserving what it is asked for
-        want = st.st_size + 1
-        while total <= limit and (chunk := os.read(fd, min(want, limit + 1 - total))):
-            parts.append(chunk)
-            total += len(chunk)
-            want = min(CHUNK, max(4096, total))
-        if total > limit:
+        raw = read_upto(fd, st.st_size, limit)
+        if len(raw) > limit:  # (it grew while read)
             raise BeyondLimit(None, limit)
-        return b"".join(parts)
+        return raw
     finally:
         os.close(fd)
 
