@@ -24,69 +24,32 @@
 #define BLOCK 4096 /* elements tested between two looks at the running answer */
 
 /* Whether some element's magnitude bits (all but the sign bit) reach `threshold`: that is
- * exactly the NaN/Inf encodings of an IEEE-like float of that width (nonfinite.none_test).
- * With the sign bit cleared both sides are non-negative as signed integers: signed compares,
- * which the vector units have (they have no unsigned ones). */
-VECTOR_CLONES static int any_at_or_above_16(const unsigned char *p, Py_ssize_t count,
-                                            int16_t magnitude, int16_t threshold, int zeros) {
-    for (Py_ssize_t i = 0; i < count; i += BLOCK) {
-        Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;
-        int16_t acc = 0;
-        for (Py_ssize_t j = i; j < end; j++) {
-            int16_t x;
-            memcpy(&x, p + 2 * j, 2);
-            int16_t m = (int16_t)(x & magnitude);
-            acc |= (m >= threshold) | (zeros & (m == 0));
-        }
-        if (acc)
-            return 1;
+ * exactly the NaN/Inf encodings of an IEEE-like float of that width (nonfinite.none_test);
+ * with `zeros`, also whether some element's magnitude is 0 (+0, -0). With the sign bit
+ * cleared both sides are non-negative as signed integers: signed compares, which the vector
+ * units have (they have no unsigned ones). One function per element width, T its type. */
+#define ANY_AT_OR_ABOVE(NAME, T)                                                               \
+    VECTOR_CLONES static int NAME(const unsigned char *p, Py_ssize_t count, T magnitude,       \
+                                  T threshold, int zeros) {                                    \
+        for (Py_ssize_t i = 0; i < count; i += BLOCK) {                                        \
+            Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;                            \
+            T acc = 0;                                                                         \
+            for (Py_ssize_t j = i; j < end; j++) {                                             \
+                T x;                                                                           \
+                memcpy(&x, p + sizeof(T) * j, sizeof(T));                                      \
+                T m = (T)(x & magnitude);                                                      \
+                acc |= (m >= threshold) | (zeros & (m == 0));                                  \
+            }                                                                                  \
+            if (acc)                                                                           \
+                return 1;                                                                      \
+        }                                                                                      \
+        return 0;                                                                              \
     }
-    return 0;
-}
 
-VECTOR_CLONES static int any_at_or_above_32(const unsigned char *p, Py_ssize_t count,
-                                            int32_t magnitude, int32_t threshold, int zeros) {
-    for (Py_ssize_t i = 0; i < count; i += BLOCK) {
-        Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;
-        int32_t acc = 0;
-        for (Py_ssize_t j = i; j < end; j++) {
-            int32_t x;
-            memcpy(&x, p + 4 * j, 4);
-            int32_t m = x & magnitude;
-            acc |= (m >= threshold) | (zeros & (m == 0));
-        }
-        if (acc)
-            return 1;
-    }
-    return 0;
-}
-
-VECTOR_CLONES static int any_at_or_above_8(const unsigned char *p, Py_ssize_t count,
-                                           int8_t magnitude, int8_t threshold, int zeros) {
-    for (Py_ssize_t i = 0; i < count; i += BLOCK) {
-        Py_ssize_t end = count - i < BLOCK ? count : i + BLOCK;
-        int8_t acc = 0;
-        for (Py_ssize_t j = i; j < end; j++)
-        {
-            int8_t m = (int8_t)((int8_t)p[j] & magnitude);
-            acc |= (m >= threshold) | (zeros & (m == 0));
-        }
-        if (acc)
-            return 1;
-    }
-    return 0;
-}
-
-static int any_at_or_above_64(const unsigned char *p, Py_ssize_t count, uint64_t magnitude,
-                              uint64_t threshold, int zeros) {
-    for (Py_ssize_t j = 0; j < count; j++) {
-        uint64_t x;
-        memcpy(&x, p + 8 * j, 8);
-        if ((x & magnitude) >= threshold || (zeros && (x & magnitude) == 0))
-            return 1;
-    }
-    return 0;
-}
+ANY_AT_OR_ABOVE(any_at_or_above_8, int8_t)
+ANY_AT_OR_ABOVE(any_at_or_above_16, int16_t)
+ANY_AT_OR_ABOVE(any_at_or_above_32, int32_t)
+ANY_AT_OR_ABOVE(any_at_or_above_64, int64_t)
 
 static int little_endian(void) {
     const uint16_t one = 1;
@@ -128,7 +91,7 @@ static PyObject *native_finite(PyObject *self, PyObject *args) {
         bad = any_at_or_above_32(p, count, (int32_t)(uint32_t)~sign, (int32_t)threshold, zeros);
         break;
     default:
-        bad = any_at_or_above_64(p, count, (uint64_t)~sign, (uint64_t)threshold, zeros);
+        bad = any_at_or_above_64(p, count, (int64_t)(uint64_t)~sign, (int64_t)threshold, zeros);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
